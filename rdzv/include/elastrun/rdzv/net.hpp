@@ -1,0 +1,51 @@
+// Sockets with RAII and checked system calls, shared by the store, the agent and the tests.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace elastrun::rdzv {
+
+// Owns a file descriptor; closes it exactly once.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  ~UniqueFd() { reset(); }
+  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  UniqueFd& operator=(UniqueFd&& o) noexcept {
+    if (this != &o) reset(std::exchange(o.fd_, -1));
+    return *this;
+  }
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+
+  int get() const { return fd_; }
+  explicit operator bool() const { return fd_ >= 0; }
+  int release() { return std::exchange(fd_, -1); }
+  void reset(int fd = -1);
+
+ private:
+  int fd_ = -1;
+};
+
+// A listening TCP socket bound to `address`:`port` (0 = any free port); when `port` is taken,
+// each of `fallbacks` is tried in order. Throws std::system_error naming the last port tried.
+struct Listener {
+  UniqueFd fd;
+  std::uint16_t port = 0;
+};
+Listener listen_tcp(const std::string& address, std::uint16_t port,
+                    const std::vector<std::uint16_t>& fallbacks = {}, int backlog = 4096);
+
+// Connects to host:port (name or address), waiting at most `timeout`. Throws std::system_error
+// with the host and port in the message.
+UniqueFd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout);
+
+void set_nonblocking(int fd);
+void set_nodelay(int fd);
+
+}  // namespace elastrun::rdzv
