@@ -18,11 +18,10 @@
 #include <vector>
 
 #include "elastrun/rdzv/auth.hpp"
+#include "elastrun/rdzv/kv.hpp"
 #include "elastrun/rdzv/protocol.hpp"
 
 namespace elastrun::rdzv {
-
-using Millis = std::chrono::milliseconds;
 
 // A store request failed: transport, refusal, or a status the caller did not expect.
 class StoreError : public std::runtime_error {
@@ -33,21 +32,6 @@ class StoreError : public std::runtime_error {
 
  private:
   protocol::Status status_;
-};
-
-struct KeyValue {
-  std::string key;
-  std::string value;
-  std::uint64_t revision = 0;  // revision of the last modification
-  std::uint64_t lease = 0;
-};
-
-struct WatchEvent {
-  enum class Type : std::uint8_t { Put = 0, Delete = 1 };
-  Type type = Type::Put;
-  std::string key;
-  std::string value;
-  std::uint64_t revision = 0;
 };
 
 struct StoreServerOptions {
@@ -87,34 +71,34 @@ class StoreServer {
   std::unique_ptr<Impl> impl_;
 };
 
-class StoreClient {
+class StoreClient final : public KvBackend {
  public:
   // Connects and authenticates; throws StoreError (refused, unreachable, wrong run id).
   StoreClient(const std::string& host, std::uint16_t port, const AuthConfig& auth,
               std::string_view run_id, Millis connect_timeout = Millis(5000));
-  ~StoreClient();
+  ~StoreClient() override;
   StoreClient(StoreClient&&) noexcept;
   StoreClient& operator=(StoreClient&&) noexcept;
 
-  std::uint64_t set(std::string_view key, std::string_view value, std::uint64_t lease = 0);
-  std::optional<KeyValue> get(std::string_view key);
-  std::int64_t add(std::string_view key, std::int64_t delta, std::uint64_t lease = 0);
+  std::uint64_t set(std::string_view key, std::string_view value, std::uint64_t lease = 0) override;
+  std::optional<KeyValue> get(std::string_view key) override;
+  std::int64_t add(std::string_view key, std::int64_t delta, std::uint64_t lease = 0) override;
   // Sets `desired` if the key currently holds `expected` (or, with expected == nullopt, does
   // not exist). Returns true if swapped; `current` receives the value found otherwise.
   bool compare_and_set(std::string_view key, const std::optional<std::string>& expected,
                        std::string_view desired, std::uint64_t lease = 0,
-                       std::optional<std::string>* current = nullptr);
-  bool remove(std::string_view key);
-  std::vector<KeyValue> get_prefix(std::string_view prefix, std::uint64_t* revision = nullptr);
+                       std::optional<std::string>* current = nullptr) override;
+  bool remove(std::string_view key) override;
+  std::vector<KeyValue> get_prefix(std::string_view prefix, std::uint64_t* revision = nullptr) override;
   // True once every key exists; false on timeout.
   bool wait(const std::vector<std::string>& keys, Millis timeout);
   // Events under `prefix` after `after_revision`; empty on timeout. Throws StoreError with
   // Status::Compacted when the server no longer has that history (re-read with get_prefix).
   std::vector<WatchEvent> watch(std::string_view prefix, std::uint64_t after_revision,
-                                Millis timeout, std::uint64_t* revision = nullptr);
-  std::uint64_t grant_lease(Millis ttl);  // dies with this connection or after ttl without keep-alive
-  bool keep_alive(std::uint64_t lease);   // false: the lease is gone (we were declared dead)
-  void revoke_lease(std::uint64_t lease);
+                                Millis timeout, std::uint64_t* revision = nullptr) override;
+  std::uint64_t grant_lease(Millis ttl) override;  // dies with this connection or after ttl without keep-alive
+  bool keep_alive(std::uint64_t lease) override;   // false: the lease is gone (we were declared dead)
+  void revoke_lease(std::uint64_t lease) override;
   std::uint64_t ping();  // the store's revision
 
   // Give up on a request after this long (a watch or wait adds its own timeout on top).

@@ -1,0 +1,54 @@
+// The key-value operations a rendezvous needs, implemented by the embedded store's client and
+// by the etcd backend, so the membership protocol runs unchanged on either.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace elastrun::rdzv {
+
+using Millis = std::chrono::milliseconds;
+
+struct KeyValue {
+  std::string key;
+  std::string value;
+  std::uint64_t revision = 0;  // revision of the last modification
+  std::uint64_t lease = 0;
+};
+
+struct WatchEvent {
+  enum class Type : std::uint8_t { Put = 0, Delete = 1 };
+  Type type = Type::Put;
+  std::string key;
+  std::string value;
+  std::uint64_t revision = 0;
+};
+
+class KvBackend {
+ public:
+  virtual ~KvBackend() = default;
+  virtual std::uint64_t set(std::string_view key, std::string_view value, std::uint64_t lease = 0) = 0;
+  virtual std::optional<KeyValue> get(std::string_view key) = 0;
+  virtual std::int64_t add(std::string_view key, std::int64_t delta, std::uint64_t lease = 0) = 0;
+  // Sets `desired` if the key holds `expected` (nullopt: if it does not exist). True if swapped;
+  // otherwise `current` (if given) receives what was found.
+  virtual bool compare_and_set(std::string_view key, const std::optional<std::string>& expected,
+                               std::string_view desired, std::uint64_t lease = 0,
+                               std::optional<std::string>* current = nullptr) = 0;
+  virtual bool remove(std::string_view key) = 0;
+  virtual std::vector<KeyValue> get_prefix(std::string_view prefix, std::uint64_t* revision = nullptr) = 0;
+  // Events under `prefix` after `after_revision`; empty on timeout.
+  virtual std::vector<WatchEvent> watch(std::string_view prefix, std::uint64_t after_revision,
+                                        Millis timeout, std::uint64_t* revision = nullptr) = 0;
+  // A lease dies after `ttl` without keep-alive (and, on the embedded store, with the
+  // connection that holds it); its keys are deleted and writes under it are refused.
+  virtual std::uint64_t grant_lease(Millis ttl) = 0;
+  virtual bool keep_alive(std::uint64_t lease) = 0;
+  virtual void revoke_lease(std::uint64_t lease) = 0;
+};
+
+}  // namespace elastrun::rdzv

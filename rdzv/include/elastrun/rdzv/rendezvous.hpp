@@ -1,0 +1,131 @@
+// Elastic membership: agents (one per node) meet in numbered rounds ("generations") through a
+// KvBackend, agree on the members, get stable ranks, and re-form when a member is lost or a
+// new one waits. The protocol and its keys are described in docs/rendezvous.md.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "elastrun/rdzv/kv.hpp"
+
+namespace elastrun::rdzv {
+
+class RendezvousError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// The job is over (an agent closed the rendezvous after success or a final failure).
+class RendezvousClosed : public RendezvousError {
+ public:
+  using RendezvousError::RendezvousError;
+};
+
+struct RendezvousConfig {
+  std::string run_id;
+  int min_nodes = 1;
+  int max_nodes = 1;
+  Millis join_timeout{600'000};   // until `min_nodes` have joined
+  Millis last_call_timeout{1000};  // after `min_nodes` joined, wait this long for more
+  Millis heartbeat_timeout{3000};  // a member silent this long is declared dead
+};
+
+// One agent as the others see it. Order in a round: (het component, node index, node name),
+// never host name sort, so group ranks follow SLURM_NODEID and survivors keep their order.
+struct MemberInfo {
+  std::string node_name;   // e.g. SLURMD_NODENAME
+  std::string address;     // how peers reach this node (IP or resolvable name)
+  int het_component = 0;
+  int node_index = 0;      // index in the job's node list
+  int nproc = 1;           // workers on this node
+  std::string role = "default";
+  std::int64_t pid = 0;
+
+  std::string sort_key() const;  // fixed-width, so key order is round order
+};
+
+struct RoundResult {
+  std::uint64_t generation = 0;
+  std::vector<MemberInfo> members;  // in group-rank order
+  int group_rank = 0;
+  int group_world_size = 0;
+  int rank_offset = 0;  // global rank of this node's first worker
+  int world_size = 0;   // total workers
+  int role_rank_offset = 0;
+  int role_world_size = 0;
+  std::string master_addr;
+  std::uint16_t master_port = 0;
+};
+
+enum class Change {
+  None,         // timeout: nothing happened
+  MemberLost,   // a member of the round died or went silent
+  MemberWaiting,  // a node waits to join and the round has room: scale up
+  Reform,       // another agent started a new round (failure elsewhere, restart request)
+  Fenced,       // we were declared dead: our lease is gone
+  Closed,       // the rendezvous was closed
+};
+std::string_view to_string(Change change);
+
+class Rendezvous {
+ public:
+  // `kv` carries the protocol; `heartbeat_kv` (a second connection) holds this member's lease
+  // and sends its keep-alives from a thread, so a busy agent is never mistaken for a dead one.
+  Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> heartbeat_kv,
+             RendezvousConfig config, MemberInfo me);
+  ~Rendezvous();
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+
+  // Joins the current round if it is still forming, else waits for the next; blocks until a
+  // round including us completes. Throws RendezvousError (too few nodes within join_timeout)
+  // or RendezvousClosed.
+  RoundResult next_round();
+
+  // While a round runs: blocks until something calls for a new round, or `timeout`.
+  Change wait_for_change(Millis timeout);
+
+  // Starts a new round (after a worker failure); everyone's wait_for_change returns Reform.
+  void request_new_round();
+  // Ends the rendezvous for everyone (job finished or failed for good).
+  void close(std::string_view reason);
+  // Job-wide counter (e.g. restarts against --max-restarts): add and return the new value.
+  std::int64_t add_to_counter(std::string_view name, std::int64_t delta);
+  // A barrier among the current round's members (e.g. the exit barrier); false on timeout.
+  bool barrier(std::string_view name, Millis timeout);
+
+  const RoundResult& current() const { return round_; }
+  const std::string& prefix() const { return prefix_; }
+
+ private:
+  std::uint64_t current_generation();
+  bool advance_generation(std::uint64_t from);
+  void ensure_alive();
+  std::optional<RoundResult> try_form(std::uint64_t gen);
+  bool try_close(std::uint64_t gen);
+  RoundResult finish_round(std::uint64_t gen, const std::string& roster_json);
+  void wait_as_late_joiner(std::uint64_t gen);
+  void heartbeat_loop();
+
+  std::unique_ptr<KvBackend> kv_;
+  std::unique_ptr<KvBackend> heartbeat_kv_;
+  RendezvousConfig config_;
+  MemberInfo me_;
+  std::string prefix_;
+  std::string my_key_;
+  std::uint64_t lease_ = 0;
+  std::atomic<bool> fenced_{false};
+  std::atomic<bool> stop_{false};
+  std::mutex heartbeat_mutex_;  // the heartbeat connection is shared with re-leasing
+  std::thread heartbeat_;
+  RoundResult round_;
+  std::uint64_t watch_revision_ = 0;
+};
+
+}  // namespace elastrun::rdzv

@@ -1,0 +1,104 @@
+#include "elastrun/rdzv/bootstrap.hpp"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <thread>
+
+#include "elastrun/rdzv/slurm_api.hpp"
+
+namespace elastrun::rdzv {
+namespace {
+
+std::string own_hostname() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof buf - 1) != 0) return "localhost";
+  return buf;
+}
+
+std::pair<std::string, std::optional<std::uint16_t>> split_endpoint(const std::string& endpoint) {
+  auto colon = endpoint.rfind(':');
+  if (colon == std::string::npos) return {endpoint, std::nullopt};
+  unsigned port = 0;
+  auto text = std::string_view(endpoint).substr(colon + 1);
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), port);
+  if (ec != std::errc{} || p != text.data() + text.size() || port == 0 || port > 65535)
+    throw RendezvousError(fmt::format("--rdzv-endpoint={}: '{}' is not a port (1-65535)", endpoint, text));
+  return {endpoint.substr(0, colon), static_cast<std::uint16_t>(port)};
+}
+
+}  // namespace
+
+BootstrapPlan plan_bootstrap(const DetectedEnv& env, const BootstrapOverrides& o) {
+  BootstrapPlan plan;
+  plan.me.nproc = o.nproc;
+  plan.me.role = o.role;
+  plan.me.pid = getpid();
+  plan.me.node_name = own_hostname();
+  if (env.slurm) {
+    const auto& s = *env.slurm;
+    if (!s.node_name.empty()) plan.me.node_name = s.node_name;
+    const auto& order = s.job_nodes.empty() ? s.nodes : s.job_nodes;
+    auto it = std::find(order.begin(), order.end(), plan.me.node_name);
+    plan.me.node_index = it == order.end() ? env.placement.node_rank : static_cast<int>(it - order.begin());
+    plan.me.het_component = std::max(0, s.het_component);
+  }
+  plan.me.address = resolve_node_address(plan.me.node_name).value_or(plan.me.node_name);
+  plan.run_id = !o.run_id.empty() ? o.run_id : env.run_id;
+
+  if (!o.endpoint.empty()) {
+    auto [host, port] = split_endpoint(o.endpoint);
+    plan.store_host = host;
+    plan.store_port = port.value_or(29400);
+    plan.host_store = o.is_host.value_or(host == plan.me.node_name || host == own_hostname());
+  } else if (env.rdzv_endpoint) {
+    plan.store_host = env.rdzv_endpoint->host;
+    plan.store_port = env.rdzv_endpoint->port;
+    plan.fallback_ports = env.rdzv_endpoint->fallback_ports;
+    plan.host_store = o.is_host.value_or(plan.store_host == plan.me.node_name);
+  } else {
+    throw RendezvousError(
+        "no rendezvous endpoint: not inside a Slurm step; pass --rdzv-endpoint=HOST:PORT (or "
+        "--standalone for one machine)");
+  }
+  if (plan.run_id.empty())
+    throw RendezvousError("no rendezvous id: pass --rdzv-id (under Slurm it defaults to the job id)");
+  auto address = resolve_node_address(plan.store_host);
+  if (!address)
+    throw RendezvousError(fmt::format("rendezvous host '{}' resolves neither in DNS nor as a Slurm node; "
+                                      "fix --rdzv-endpoint",
+                                      plan.store_host));
+  plan.store_address = *address;
+  return plan;
+}
+
+std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const AuthConfig& auth, Millis patience) {
+  std::vector<std::uint16_t> ports{plan.store_port};
+  ports.insert(ports.end(), plan.fallback_ports.begin(), plan.fallback_ports.end());
+  const auto deadline = std::chrono::steady_clock::now() + patience;
+  std::string last_error;
+  for (int attempt = 0;; ++attempt) {
+    for (auto port : ports) {
+      try {
+        return std::make_unique<StoreClient>(plan.store_address, port, auth, plan.run_id, Millis(2000));
+      } catch (const StoreError& e) {
+        last_error = e.what();
+        // A refusal for another reason than the run id is final: wrong credentials stay wrong.
+        if (e.status() == protocol::Status::AuthFailed &&
+            last_error.find("serves run") == std::string::npos)
+          throw;
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline)
+      throw StoreError(protocol::Status::ConnectionLost,
+                       fmt::format("no rendezvous store for run '{}' at {} ({}) ports {}..{} after {} s: {}",
+                                   plan.run_id, plan.store_host, plan.store_address, ports.front(),
+                                   ports.back(), patience.count() / 1000, last_error));
+    std::this_thread::sleep_for(Millis(std::min(50 * (attempt + 1), 500)));
+  }
+}
+
+}  // namespace elastrun::rdzv

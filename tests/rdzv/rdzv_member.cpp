@@ -1,0 +1,110 @@
+// rdzv_member: one rendezvous member as a real process, for tests and benchmarks.
+// Joins rounds and prints one JSON line per event on stdout:
+//   {"event":"store","port":P}                       this process hosts the store
+//   {"event":"round","gen":G,"group_rank":..,...}    a round including us completed
+//   {"event":"change","what":"member lost"}          something calls for a new round
+// With --slurm everything comes from the environment (zero flags), as the agent will do.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <iostream>
+
+#include "elastrun/rdzv/bootstrap.hpp"
+#include "elastrun/rdzv/env.hpp"
+#include "elastrun/rdzv/hostlist.hpp"
+#include "elastrun/rdzv/rendezvous.hpp"
+#include "elastrun/rdzv/store.hpp"
+
+using namespace elastrun::rdzv;
+
+namespace {
+void emit(const nlohmann::json& j) { std::cout << j.dump() << std::endl; }
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"rendezvous member (test tool)"};
+  bool slurm = false, serve = false;
+  std::string endpoint, run_id = "test", node, auth = "none";
+  int index = 0, nproc = 1, min_nodes = 1, max_nodes = 1, rounds = 0;
+  int hb_ms = 3000, last_call_ms = 500, join_timeout_ms = 60000;
+  app.add_flag("--slurm", slurm, "take identity and endpoint from the Slurm environment");
+  app.add_flag("--serve", serve, "host the store here (default under --slurm: the first node)");
+  app.add_option("--endpoint", endpoint, "store host:port");
+  app.add_option("--run-id", run_id);
+  app.add_option("--node", node, "node name (default: hostname / SLURMD_NODENAME)");
+  app.add_option("--index", index, "node index (ordering)");
+  app.add_option("--nproc", nproc);
+  app.add_option("--min", min_nodes);
+  app.add_option("--max", max_nodes);
+  app.add_option("--rounds", rounds, "exit after this many rounds (0: run until closed)");
+  app.add_option("--hb-ms", hb_ms, "heartbeat timeout");
+  app.add_option("--last-call-ms", last_call_ms);
+  app.add_option("--join-timeout-ms", join_timeout_ms);
+  app.add_option("--auth", auth, "munge|token|none|auto");
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_pattern(fmt::format("[node {}] %v", node.empty() ? "?" : node));
+
+  try {
+    BootstrapPlan plan;
+    if (slurm) {
+      auto env = detect_environment(current_environment(), expand_hostlist);
+      plan = plan_bootstrap(env, {.endpoint = endpoint, .run_id = "", .is_host = std::nullopt,
+                                  .nproc = nproc, .role = "default"});
+      if (!node.empty()) plan.me.node_name = node;
+    } else {
+      auto colon = endpoint.rfind(':');
+      plan.store_host = plan.store_address = endpoint.substr(0, colon);
+      plan.store_port = static_cast<std::uint16_t>(std::stoi(endpoint.substr(colon + 1)));
+      plan.run_id = run_id;
+      plan.me.node_name = node.empty() ? "local" : node;
+      plan.me.address = "127.0.0.1";
+      plan.me.node_index = index;
+      plan.me.nproc = nproc;
+      plan.me.pid = getpid();
+      plan.host_store = serve;
+    }
+    spdlog::set_pattern(fmt::format("[node {}] %v", plan.me.node_name));
+    auto auth_config = auth_from_option(auth);
+    std::unique_ptr<StoreServer> server;
+    if (plan.host_store || serve) {
+      StoreServerOptions options;
+      options.port = plan.store_port;
+      options.fallback_ports = plan.fallback_ports;
+      options.run_id = plan.run_id;
+      options.auth = auth_config;
+      server = std::make_unique<StoreServer>(options);
+      emit({{"event", "store"}, {"port", server->port()}, {"node", plan.me.node_name}});
+    }
+    auto kv = connect_store(plan, auth_config, Millis(join_timeout_ms));
+    auto hb = connect_store(plan, auth_config, Millis(join_timeout_ms));
+    RendezvousConfig config{.run_id = plan.run_id, .min_nodes = min_nodes, .max_nodes = max_nodes,
+                            .join_timeout = Millis(join_timeout_ms),
+                            .last_call_timeout = Millis(last_call_ms),
+                            .heartbeat_timeout = Millis(hb_ms)};
+    Rendezvous rdzv(std::move(kv), std::move(hb), config, plan.me);
+    for (int done = 0; rounds == 0 || done < rounds; ++done) {
+      auto r = rdzv.next_round();
+      nlohmann::json members = nlohmann::json::array();
+      for (const auto& m : r.members) members.push_back(m.node_name);
+      emit({{"event", "round"}, {"node", plan.me.node_name}, {"gen", r.generation},
+            {"group_rank", r.group_rank}, {"group_world_size", r.group_world_size},
+            {"world_size", r.world_size}, {"rank_offset", r.rank_offset}, {"members", members},
+            {"master", fmt::format("{}:{}", r.master_addr, r.master_port)}});
+      if (rounds != 0 && done + 1 == rounds) break;
+      Change change = Change::None;
+      while (change == Change::None) change = rdzv.wait_for_change(Millis(60000));
+      emit({{"event", "change"}, {"node", plan.me.node_name}, {"what", std::string(to_string(change))}});
+      if (change == Change::Closed) return 0;
+    }
+    return 0;
+  } catch (const RendezvousClosed& e) {
+    emit({{"event", "closed"}, {"what", e.what()}});
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "rdzv_member: error: {}\n", e.what());
+    return 3;
+  }
+}

@@ -1,0 +1,334 @@
+// Membership rounds on the real store: threads for pure protocol paths, and real processes
+// (rdzv_member) for death by SIGKILL, silence by SIGSTOP and fencing.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <future>
+#include <thread>
+
+#include "elastrun/rdzv/rendezvous.hpp"
+#include "elastrun/rdzv/store.hpp"
+
+extern char** environ;
+
+namespace {
+
+using namespace elastrun::rdzv;
+using namespace std::chrono_literals;
+using json = nlohmann::json;
+
+struct Cluster {
+  StoreServer server{[] {
+    StoreServerOptions o;
+    o.bind_address = "127.0.0.1";
+    o.run_id = "rt";
+    return o;
+  }()};
+  std::unique_ptr<KvBackend> client() {
+    return std::make_unique<StoreClient>("127.0.0.1", server.port(), AuthConfig{}, "rt");
+  }
+  std::unique_ptr<Rendezvous> member(const std::string& name, int index, int nproc, int min, int max,
+                                     Millis last_call = 300ms, Millis join_timeout = 20s) {
+    MemberInfo me;
+    me.node_name = name;
+    me.address = "127.0.0.1";
+    me.node_index = index;
+    me.nproc = nproc;
+    RendezvousConfig cfg{.run_id = "rt", .min_nodes = min, .max_nodes = max, .join_timeout = join_timeout,
+                         .last_call_timeout = last_call, .heartbeat_timeout = 2s};
+    return std::make_unique<Rendezvous>(client(), client(), cfg, me);
+  }
+};
+
+TEST(Rendezvous, RanksFollowNodeIndexNotHostNameAndUseAPrefixSum) {
+  Cluster c;
+  // Names sort the other way round from node indexes; nproc differs per node.
+  auto a = c.member("zeta", 0, 2, 3, 3);
+  auto b = c.member("beta", 1, 1, 3, 3);
+  auto d = c.member("alpha", 2, 3, 3, 3);
+  auto fa = std::async(std::launch::async, [&] { return a->next_round(); });
+  auto fb = std::async(std::launch::async, [&] { return b->next_round(); });
+  auto rd = d->next_round();
+  auto ra = fa.get();
+  auto rb = fb.get();
+  EXPECT_EQ(ra.group_rank, 0);
+  EXPECT_EQ(rb.group_rank, 1);
+  EXPECT_EQ(rd.group_rank, 2);
+  EXPECT_EQ(ra.rank_offset, 0);
+  EXPECT_EQ(rb.rank_offset, 2);
+  EXPECT_EQ(rd.rank_offset, 3);
+  for (const auto* r : {&ra, &rb, &rd}) {
+    EXPECT_EQ(r->world_size, 6);
+    EXPECT_EQ(r->group_world_size, 3);
+    EXPECT_EQ(r->generation, ra.generation);
+    EXPECT_EQ(r->master_addr, "127.0.0.1");
+    EXPECT_EQ(r->master_port, ra.master_port);
+    EXPECT_NE(r->master_port, 0);
+    EXPECT_EQ(r->role_world_size, 6);
+  }
+}
+
+TEST(Rendezvous, JoinTimeoutWhenTooFewNodes) {
+  Cluster c;
+  auto a = c.member("a", 0, 1, 2, 2, 100ms, 500ms);
+  try {
+    a->next_round();
+    FAIL() << "a round of 1 formed with min 2";
+  } catch (const RendezvousError& e) {
+    EXPECT_NE(std::string(e.what()).find("join_timeout"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Rendezvous, MinReachedClosesAfterLastCallAndMaxClosesAtOnce) {
+  Cluster c;
+  auto a = c.member("a", 0, 1, 1, 4, 200ms);
+  auto r = a->next_round();  // min 1 reached: closes after the last call
+  EXPECT_EQ(r.group_world_size, 1);
+}
+
+TEST(Rendezvous, LateJoinerTriggersScaleUp) {
+  Cluster c;
+  auto a = c.member("a", 0, 1, 2, 3);
+  auto b = c.member("b", 1, 1, 2, 3);
+  auto fa = std::async(std::launch::async, [&] { return a->next_round(); });
+  auto rb = b->next_round();
+  auto ra = fa.get();
+  ASSERT_EQ(ra.group_world_size, 2);
+  // A third node arrives while the round runs: it waits, the members see it and re-form.
+  auto late = c.member("c", 2, 1, 2, 3);
+  auto fc = std::async(std::launch::async, [&] { return late->next_round(); });
+  EXPECT_EQ(a->wait_for_change(20s), Change::MemberWaiting);
+  EXPECT_EQ(b->wait_for_change(20s), Change::MemberWaiting);
+  auto fa2 = std::async(std::launch::async, [&] { return a->next_round(); });
+  auto rb2 = b->next_round();
+  auto ra2 = fa2.get();
+  auto rc = fc.get();
+  EXPECT_EQ(ra2.group_world_size, 3);
+  EXPECT_EQ(rc.group_world_size, 3);
+  EXPECT_EQ(rc.group_rank, 2);
+  EXPECT_GT(ra2.generation, ra.generation);
+  EXPECT_EQ(rb2.generation, ra2.generation);
+}
+
+TEST(Rendezvous, RequestNewRoundReachesEveryone) {
+  Cluster c;
+  auto a = c.member("a", 0, 1, 2, 2);
+  auto b = c.member("b", 1, 1, 2, 2);
+  auto fa = std::async(std::launch::async, [&] { return a->next_round(); });
+  b->next_round();
+  fa.get();
+  b->request_new_round();  // e.g. b's worker failed
+  EXPECT_EQ(a->wait_for_change(20s), Change::Reform);
+  EXPECT_EQ(a->add_to_counter("restarts", 1), 1);
+  EXPECT_EQ(b->add_to_counter("restarts", 0), 1) << "the restart budget is job-wide";
+}
+
+TEST(Rendezvous, CloseEndsItForEveryoneIncludingLateComers) {
+  Cluster c;
+  auto a = c.member("a", 0, 1, 1, 1, 50ms);
+  a->next_round();
+  a->close("job finished");
+  EXPECT_EQ(a->wait_for_change(5s), Change::Closed);
+  auto late = c.member("b", 1, 1, 1, 2, 50ms);
+  EXPECT_THROW(late->next_round(), RendezvousClosed);
+}
+
+TEST(Rendezvous, BarrierWaitsForAllMembers) {
+  Cluster c;
+  auto a = c.member("a", 0, 1, 2, 2);
+  auto b = c.member("b", 1, 1, 2, 2);
+  auto fa = std::async(std::launch::async, [&] { return a->next_round(); });
+  b->next_round();
+  fa.get();
+  EXPECT_FALSE(a->barrier("exit", 200ms)) << "b has not arrived";
+  auto fb = std::async(std::launch::async, [&] { return b->barrier("exit", 20s); });
+  EXPECT_TRUE(fb.get());
+}
+
+TEST(Rendezvous, InvalidMinMaxIsRefused) {
+  Cluster c;
+  EXPECT_THROW(c.member("a", 0, 1, 3, 2), RendezvousError);
+}
+
+// ---- real processes --------------------------------------------------------------------------
+
+class Member {
+ public:
+  Member(const std::vector<std::string>& args) {
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+    std::vector<std::string> argv_s{RDZV_MEMBER_PATH};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& s : argv_s) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    if (posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), environ) != 0) throw std::runtime_error("spawn");
+    posix_spawn_file_actions_destroy(&fa);
+    close(fds[1]);
+    out_ = fds[0];
+  }
+  ~Member() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      kill(pid_, SIGCONT);
+      waitpid(pid_, nullptr, 0);
+    }
+    close(out_);
+  }
+  pid_t pid() const { return pid_; }
+  int wait_exit() {
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
+  void kill9() {
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+  // Next JSON event with event == `event` within `timeout`.
+  std::optional<json> next(const std::string& event, Millis timeout = 30s) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (true) {
+      auto nl = buffer_.find('\n');
+      if (nl != std::string::npos) {
+        auto line = buffer_.substr(0, nl);
+        buffer_.erase(0, nl + 1);
+        auto j = json::parse(line, nullptr, false);
+        if (!j.is_discarded() && j.value("event", "") == event) return j;
+        continue;
+      }
+      auto left = std::chrono::ceil<Millis>(deadline - std::chrono::steady_clock::now()).count();
+      if (left <= 0) return std::nullopt;
+      pollfd p{out_, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(left)) <= 0) continue;
+      char buf[4096];
+      auto n = read(out_, buf, sizeof buf);
+      if (n <= 0) return std::nullopt;
+      buffer_.append(buf, static_cast<std::size_t>(n));
+    }
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1;
+  std::string buffer_;
+};
+
+std::vector<std::string> member_args(const std::string& endpoint, const std::string& node, int index,
+                                     int min, int max, bool serve = false) {
+  std::vector<std::string> a{"--endpoint", endpoint, "--node", node, "--index", std::to_string(index),
+                             "--min", std::to_string(min), "--max", std::to_string(max),
+                             "--hb-ms", "600", "--last-call-ms", "300", "--run-id", "proc"};
+  if (serve) a.push_back("--serve");
+  return a;
+}
+
+// A free port for a test store (the member hosting it binds it).
+std::string free_endpoint() {
+  auto l = StoreServer([] {
+    StoreServerOptions o;
+    o.bind_address = "127.0.0.1";
+    return o;
+  }());
+  return "127.0.0.1:" + std::to_string(l.port());
+}
+
+TEST(RendezvousProcess, KillNineMidRunGivesSurvivorsASmallerRound) {
+  auto ep = free_endpoint();
+  Member host(member_args(ep, "n0", 0, 2, 3, true));
+  ASSERT_TRUE(host.next("store"));
+  Member b(member_args(ep, "n1", 1, 2, 3));
+  Member victim(member_args(ep, "n2", 2, 2, 3));
+  for (auto* m : {&host, &b, &victim}) {
+    auto r = m->next("round");
+    ASSERT_TRUE(r);
+    EXPECT_EQ((*r)["group_world_size"], 3);
+  }
+  victim.kill9();
+  for (auto* m : {&host, &b}) {
+    auto change = m->next("change");
+    ASSERT_TRUE(change);
+    EXPECT_EQ((*change)["what"], "member lost");
+    auto r = m->next("round");
+    ASSERT_TRUE(r);
+    EXPECT_EQ((*r)["group_world_size"], 2);
+    EXPECT_EQ((*r)["members"], json::array({"n0", "n1"}));
+  }
+}
+
+TEST(RendezvousProcess, KillNineMidRoundDoesNotBlockTheRound) {
+  auto ep = free_endpoint();
+  Member host(member_args(ep, "n0", 0, 3, 3, true));
+  ASSERT_TRUE(host.next("store"));
+  {
+    Member doomed(member_args(ep, "n1", 1, 3, 3));
+    std::this_thread::sleep_for(300ms);  // it has joined the forming round
+    doomed.kill9();
+  }
+  Member c(member_args(ep, "n2", 2, 3, 3));
+  Member d(member_args(ep, "n3", 3, 3, 3));
+  for (auto* m : {&host, &c, &d}) {
+    auto r = m->next("round");
+    ASSERT_TRUE(r);
+    EXPECT_EQ((*r)["members"], json::array({"n0", "n2", "n3"}));
+  }
+}
+
+TEST(RendezvousProcess, SilentMemberIsDetectedByHeartbeatAndFencedWhenItReturns) {
+  auto ep = free_endpoint();
+  Member host(member_args(ep, "n0", 0, 2, 3, true));
+  ASSERT_TRUE(host.next("store"));
+  Member b(member_args(ep, "n1", 1, 2, 3));
+  Member silent(member_args(ep, "n2", 2, 2, 3));
+  for (auto* m : {&host, &b, &silent}) ASSERT_TRUE(m->next("round"));
+  kill(silent.pid(), SIGSTOP);  // a hung node: its connections stay open, its heartbeats stop
+  auto t0 = std::chrono::steady_clock::now();
+  for (auto* m : {&host, &b}) {
+    auto change = m->next("change");
+    ASSERT_TRUE(change);
+    EXPECT_EQ((*change)["what"], "member lost");
+    auto r = m->next("round");
+    ASSERT_TRUE(r);
+    EXPECT_EQ((*r)["group_world_size"], 2);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 20s) << "liveness bound (heartbeat 0.6 s)";
+  kill(silent.pid(), SIGCONT);
+  // It comes back: its lease is gone, so it learns it was declared dead and rejoins as new.
+  auto change = silent.next("change");
+  ASSERT_TRUE(change);
+  EXPECT_EQ((*change)["what"], "fenced (declared dead)");
+  auto r = silent.next("round");
+  ASSERT_TRUE(r);
+  EXPECT_EQ((*r)["group_world_size"], 3) << "re-admitted through the wait list";
+}
+
+TEST(RendezvousProcess, WrongTokenIsRefused) {
+  auto ep = free_endpoint();
+  setenv("ELASTRUN_RDZV_TOKEN", "right", 1);
+  auto host_args = member_args(ep, "n0", 0, 1, 2, true);
+  host_args.insert(host_args.end(), {"--auth", "token"});
+  Member host(host_args);
+  ASSERT_TRUE(host.next("store"));
+  ASSERT_TRUE(host.next("round"));
+  setenv("ELASTRUN_RDZV_TOKEN", "wrong", 1);
+  auto bad_args = member_args(ep, "n1", 1, 1, 2);
+  bad_args.insert(bad_args.end(), {"--auth", "token", "--join-timeout-ms", "2000"});
+  Member intruder(bad_args);
+  unsetenv("ELASTRUN_RDZV_TOKEN");
+  EXPECT_FALSE(intruder.next("round", 5s)) << "an intruder joined";
+  int status = intruder.wait_exit();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3);
+}
+
+}  // namespace
