@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--join-timeout-ms", join_timeout_ms);
   app.add_option("--auth", auth, "munge|token|none|auto");
   CLI11_PARSE(app, argc, argv);
+  spdlog::set_default_logger(spdlog::stderr_color_st("rdzv_member"));  // stdout carries JSON
   spdlog::set_pattern(fmt::format("[node {}] %v", node.empty() ? "?" : node));
 
   try {

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On a private 4-node testbed: four rendezvous members started by one srun step (zero flags:
+# identity, store endpoint and addresses all come from Slurm) form a 4-member round; after
+# `kill-node n3` the three survivors form a 3-member round without n3, in node order.
+# Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-rdzv),
+# ELASTRUN_BIN (build/bin).
+set -euo pipefail
+TB=$ELASTRUN_TESTBED
+export TESTBED_ID="${TESTBED_ID}-rdzv"
+out=$(mktemp -d)
+srun_pid=
+
+cleanup() {
+  local rc=$?
+  if [[ -n $srun_pid ]] && kill -0 "$srun_pid" 2>/dev/null; then
+    kill -KILL "$srun_pid" 2>/dev/null || true
+    wait "$srun_pid" 2>/dev/null || true
+  fi
+  if ((rc != 0)); then
+    echo "--- member output" >&2; cat "$out/members.jsonl" >&2 || true
+    echo "--- member stderr" >&2; tail -20 "$out/members.err" >&2 || true
+  fi
+  "$TB" down >/dev/null || rc=1
+  rm -rf "$out"
+  exit "$rc"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+"$TB" down >/dev/null 2>&1 || true
+"$TB" up 4
+eval "$("$TB" env)"
+
+srun --no-kill -N4 --ntasks-per-node=1 "$ELASTRUN_BIN/rdzv_member" --slurm --min 2 --max 4 \
+  --hb-ms 2000 --last-call-ms 500 >"$out/members.jsonl" 2>"$out/members.err" &
+srun_pid=$!
+
+rounds_of_size() { # number of round events with group_world_size $1
+  grep -c "\"event\":\"round\".*\"group_world_size\":$1," "$out/members.jsonl" 2>/dev/null || true
+}
+wait_for() { # wait_for SECONDS CMD... until CMD succeeds
+  local deadline=$((SECONDS + $1)); shift
+  until "$@"; do
+    ((SECONDS < deadline)) || return 1
+    kill -0 "$srun_pid" 2>/dev/null || fail "srun ended early"
+    sleep 0.5
+  done
+}
+four_formed() { [[ $(rounds_of_size 4) -ge 4 ]]; }
+three_formed() { [[ $(rounds_of_size 3) -ge 3 ]]; }
+
+wait_for 120 four_formed || fail "four members did not form a round"
+grep -q '"members":\["n1","n2","n3","n4"\]' "$out/members.jsonl" || fail "round order is not n1..n4"
+
+"$TB" kill-node n3
+wait_for 120 three_formed || fail "the three survivors did not re-form after kill-node n3"
+
+/usr/bin/python3 - "$out/members.jsonl" <<'PY'
+import json, sys
+rounds = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"event":"round"')]
+three = [r for r in rounds if r["group_world_size"] == 3]
+assert sorted(r["node"] for r in three) == ["n1", "n2", "n4"], three
+for r in three:
+    assert r["members"] == ["n1", "n2", "n4"], r
+    assert r["group_rank"] == ["n1", "n2", "n4"].index(r["node"]), r
+    assert r["master"] == three[0]["master"], r
+assert len({r["gen"] for r in three}) == 1, three
+print("ok: survivors re-formed:", three[0]["members"], "generation", three[0]["gen"])
+PY
