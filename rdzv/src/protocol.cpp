@@ -148,6 +148,14 @@ std::optional<Frame> FrameDecoder::next() {
     throw ProtocolError(fmt::format("frame body of {} bytes exceeds the {} byte limit",
                                     f.header.body_length, max_body_));
   if (pending.size() < kHeaderBytes + f.header.body_length) return std::nullopt;
+  if (consumed_ == 0 && buffer_.size() == kHeaderBytes + f.header.body_length) {
+    // The common case, one whole frame buffered: hand over the buffer instead of copying it
+    // (large rosters reach many members at once; copies cost first-touch memory).
+    buffer_.erase(0, kHeaderBytes);
+    f.body = std::move(buffer_);
+    buffer_.clear();
+    return f;
+  }
   f.body.assign(pending.substr(kHeaderBytes, f.header.body_length));
   consumed_ += kHeaderBytes + f.header.body_length;
   if (consumed_ == buffer_.size()) {

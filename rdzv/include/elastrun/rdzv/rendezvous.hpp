@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -46,6 +47,7 @@ struct MemberInfo {
   int nproc = 1;           // workers on this node
   std::string role = "default";
   std::int64_t pid = 0;
+  std::uint16_t master_port = 0;  // reserved at join; group rank 0's becomes MASTER_PORT
 
   std::string sort_key() const;  // fixed-width, so key order is round order
 };
@@ -86,7 +88,8 @@ class Rendezvous {
   // Joins the current round if it is still forming, else waits for the next; blocks until a
   // round including us completes. Throws RendezvousError (too few nodes within join_timeout)
   // or RendezvousClosed.
-  RoundResult next_round();
+  // The result stays valid until the next call.
+  const RoundResult& next_round();
 
   // While a round runs: blocks until something calls for a new round, or `timeout`.
   Change wait_for_change(Millis timeout);
@@ -109,7 +112,7 @@ class Rendezvous {
   void ensure_alive();
   std::optional<RoundResult> try_form(std::uint64_t gen);
   bool try_close(std::uint64_t gen);
-  RoundResult finish_round(std::uint64_t gen, const std::string& roster_json);
+  RoundResult finish_round(std::uint64_t gen, const std::string& roster, std::uint64_t revision);
   void wait_as_late_joiner(std::uint64_t gen);
   void heartbeat_loop();
 
@@ -123,6 +126,8 @@ class Rendezvous {
   std::atomic<bool> fenced_{false};
   std::atomic<bool> stop_{false};
   std::mutex heartbeat_mutex_;  // the heartbeat connection is shared with re-leasing
+  std::mutex stop_mutex_;
+  std::condition_variable stop_cv_;
   std::thread heartbeat_;
   RoundResult round_;
   std::uint64_t watch_revision_ = 0;
