@@ -40,16 +40,17 @@ std::optional<std::int64_t> to_i64(std::string_view s) {
 }
 
 // Members travel as one tab-separated line each (a roster is one line per member):
-//   component  node-index  node-name  address  nproc  role  pid  master-port
+//   component  node-index  node-name  address  nproc  role  pid  master-port  store-port
 // Parsing a 1024-member roster this way costs microseconds where JSON cost milliseconds, and
 // lines are kept short because every member receives the whole roster (the default role is
 // written empty).
 std::string member_line(const MemberInfo& m) {
-  return fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}", m.het_component, m.node_index, m.node_name,
-                     m.address, m.nproc, m.role == "default" ? "" : m.role, m.pid, m.master_port);
+  return fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}", m.het_component, m.node_index, m.node_name,
+                     m.address, m.nproc, m.role == "default" ? "" : m.role, m.pid, m.master_port,
+                     m.store_port);
 }
 
-constexpr std::size_t kMemberFields = 8;
+constexpr std::size_t kMemberFields = 9;
 
 std::array<std::string_view, kMemberFields> split_member(std::string_view line) {
   std::array<std::string_view, kMemberFields> f;
@@ -75,6 +76,7 @@ MemberInfo member_from(std::string_view line) {
   m.role = f[5].empty() ? "default" : std::string(f[5]);
   m.pid = to_i64(f[6]).value_or(0);
   m.master_port = static_cast<std::uint16_t>(to_i64(f[7]).value_or(0));
+  m.store_port = static_cast<std::uint16_t>(to_i64(f[8]).value_or(0));
   return m;
 }
 
@@ -111,6 +113,7 @@ std::string_view to_string(Change change) {
     case Change::Reform: return "new round requested";
     case Change::Fenced: return "fenced (declared dead)";
     case Change::Closed: return "closed";
+    case Change::StoreLost: return "store lost";
   }
   return "unknown";
 }
@@ -120,13 +123,14 @@ std::string MemberInfo::sort_key() const {
 }
 
 Rendezvous::Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> heartbeat_kv,
-                       RendezvousConfig config, MemberInfo me)
+                       RendezvousConfig config, MemberInfo me, StoreConnector connector)
     : kv_(std::move(kv)),
       heartbeat_kv_(std::move(heartbeat_kv)),
       config_(std::move(config)),
       me_(std::move(me)),
       prefix_("elastrun/" + config_.run_id + "/"),
       my_key_(me_.sort_key()) {
+  connector_ = std::move(connector);
   if (config_.min_nodes < 1 || config_.max_nodes < config_.min_nodes)
     throw RendezvousError(fmt::format("--nnodes={}:{} is not a valid MIN:MAX (need 1 <= MIN <= MAX)",
                                       config_.min_nodes, config_.max_nodes));
@@ -160,8 +164,16 @@ void Rendezvous::heartbeat_loop() {
     }
     std::lock_guard lock(heartbeat_mutex_);
     try {
-      if (lease_ && !fenced_ && !heartbeat_kv_->keep_alive(lease_)) {
+      if (lease_ && !fenced_ && !store_lost_ && !heartbeat_kv_->keep_alive(lease_)) {
         spdlog::warn("[rdzv] our lease {} is gone: the others declared this node dead", lease_);
+        fenced_ = true;
+      }
+    } catch (const StoreError& e) {
+      if (e.status() == protocol::Status::ConnectionLost) {
+        if (!store_lost_) spdlog::warn("[rdzv] heartbeat: {}", e.what());
+        store_lost_ = true;
+      } else {
+        spdlog::warn("[rdzv] heartbeat failed: {}", e.what());
         fenced_ = true;
       }
     } catch (const std::exception& e) {
@@ -193,25 +205,33 @@ bool Rendezvous::advance_generation(std::uint64_t from) {
 
 const RoundResult& Rendezvous::next_round() {
   const auto join_deadline = Clock::now() + config_.join_timeout;
+  std::uint64_t gen = 0;
   while (true) {
-    if (auto closed = kv_->get(prefix_ + "closed"))
-      throw RendezvousClosed(fmt::format("rendezvous '{}' is closed: {}", config_.run_id, closed->value));
-    ensure_alive();
-    const auto gen = current_generation();
-    // A generation we already ran is over: move everyone to the next one.
-    if (gen <= round_.generation) {
-      advance_generation(gen);
-      continue;
-    }
     try {
+      if (store_lost_) fail_over();
+      if (auto closed = kv_->get(prefix_ + "closed"))
+        throw RendezvousClosed(fmt::format("rendezvous '{}' is closed: {}", config_.run_id, closed->value));
+      ensure_alive();
+      gen = current_generation();
+      // A generation we already ran is over: move everyone to the next one.
+      if (gen <= round_.generation) {
+        advance_generation(gen);
+        continue;
+      }
       if (auto result = try_form(gen)) {
         round_ = std::move(*result);
         return round_;
       }
     } catch (const StoreError& e) {
-      // Our lease died while we were not looking: we are fenced; rejoin as a new member.
-      if (e.status() != protocol::Status::NoSuchLease) throw;
-      fenced_ = true;
+      if (e.status() == protocol::Status::NoSuchLease) {
+        // Our lease died while we were not looking: we are fenced; rejoin as a new member.
+        fenced_ = true;
+      } else if (e.status() == protocol::Status::ConnectionLost && connector_ && round_.generation > 0) {
+        spdlog::warn("[rdzv] {}", e.what());
+        store_lost_ = true;
+      } else {
+        throw;
+      }
     }
     if (Clock::now() > join_deadline)
       throw RendezvousError(fmt::format(
@@ -222,7 +242,7 @@ const RoundResult& Rendezvous::next_round() {
 
 // Joins round `gen`; returns its result if we are in it, std::nullopt if the round closed
 // without us (we then waited for the next generation) or the generation moved on.
-// Costs about six requests per member: 1024 members form a round in well under a second.
+// Costs about six requests per member and no per-join wake-ups of the others.
 std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
   const auto round = fmt::format("{}r/{}/", prefix_, gen);
   const auto ctl = round + "ctl/";
@@ -358,17 +378,58 @@ RoundResult Rendezvous::finish_round(std::uint64_t gen, const std::string& roste
   return r;
 }
 
+// The store is gone (its host died). Every member of the last round runs a standby store; the
+// survivors all try the members' standbys in round order and meet at the first that answers
+// (the lowest surviving member's, the same for everyone), where the next round rebuilds the
+// state. Generations continue from the last one so fencing stays monotonic.
+void Rendezvous::fail_over() {
+  if (!connector_) throw RendezvousError("the rendezvous store is lost and no standby is configured");
+  const auto deadline = Clock::now() + std::max(config_.heartbeat_timeout * 4, Millis(10000));
+  std::string last_error = "no member of the last round runs a standby store";
+  while (Clock::now() < deadline) {
+    for (const auto& m : round_.members) {
+      if (m.store_port == 0) continue;
+      try {
+        auto kv = connector_(m.address, m.store_port);
+        auto hb = connector_(m.address, m.store_port);
+        {
+          std::lock_guard lock(heartbeat_mutex_);
+          kv_ = std::move(kv);
+          heartbeat_kv_ = std::move(hb);
+          lease_ = 0;
+          fenced_ = false;
+          store_lost_ = false;
+        }
+        kv_->compare_and_set(prefix_ + "gen", std::nullopt, std::to_string(round_.generation + 1));
+        spdlog::warn("[rdzv] failed over to the standby store of {} ({}:{})", m.node_name, m.address,
+                     m.store_port);
+        return;
+      } catch (const StoreError& e) {
+        last_error = e.what();
+      }
+    }
+    std::this_thread::sleep_for(Millis(100));
+  }
+  throw RendezvousError(fmt::format("the rendezvous store is lost and no standby answered: {}", last_error));
+}
+
 Change Rendezvous::wait_for_change(Millis timeout) {
   const auto deadline = Clock::now() + timeout;
   while (true) {
     if (fenced_) return Change::Fenced;
+    if (store_lost_) return Change::StoreLost;
     auto left = std::chrono::ceil<Millis>(deadline - Clock::now());
     if (left <= Millis(0)) return Change::None;
     std::uint64_t rev = 0;
     std::vector<WatchEvent> events;
     try {
       events = kv_->watch(prefix_, watch_revision_, std::min(left, Millis(500)), &rev);
-    } catch (const std::exception& e) {
+    } catch (const StoreError& e) {
+      if (e.status() == protocol::Status::ConnectionLost && connector_) {
+        spdlog::warn("[rdzv] {}", e.what());
+        store_lost_ = true;
+        return Change::StoreLost;
+      }
       // History we missed (compacted) or a store hiccup: re-forming is always safe.
       spdlog::warn("[rdzv] watching the round failed ({}); re-forming", e.what());
       return Change::Reform;

@@ -80,13 +80,26 @@ int main(int argc, char** argv) {
       server = std::make_unique<StoreServer>(options);
       emit({{"event", "store"}, {"port", server->port()}, {"node", plan.me.node_name}});
     }
+    // Every member also runs a standby store on a free port: if the store's host dies, the
+    // survivors fail over to the first standby of the last round (no single point of failure).
+    std::unique_ptr<StoreServer> standby;
+    if (!server) {
+      StoreServerOptions options;
+      options.run_id = plan.run_id;
+      options.auth = auth_config;
+      standby = std::make_unique<StoreServer>(options);
+    }
+    plan.me.store_port = server ? server->port() : standby->port();
+    StoreConnector connector = [&](const std::string& address, std::uint16_t port) -> std::unique_ptr<KvBackend> {
+      return std::make_unique<StoreClient>(address, port, auth_config, plan.run_id, Millis(1000));
+    };
     auto kv = connect_store(plan, auth_config, Millis(join_timeout_ms));
     auto hb = connect_store(plan, auth_config, Millis(join_timeout_ms));
     RendezvousConfig config{.run_id = plan.run_id, .min_nodes = min_nodes, .max_nodes = max_nodes,
                             .join_timeout = Millis(join_timeout_ms),
                             .last_call_timeout = Millis(last_call_ms),
                             .heartbeat_timeout = Millis(hb_ms)};
-    Rendezvous rdzv(std::move(kv), std::move(hb), config, plan.me);
+    Rendezvous rdzv(std::move(kv), std::move(hb), config, plan.me, connector);
     for (int done = 0; rounds == 0 || done < rounds; ++done) {
       auto r = rdzv.next_round();
       nlohmann::json members = nlohmann::json::array();

@@ -313,6 +313,25 @@ TEST(RendezvousProcess, SilentMemberIsDetectedByHeartbeatAndFencedWhenItReturns)
   EXPECT_EQ((*r)["group_world_size"], 3) << "re-admitted through the wait list";
 }
 
+TEST(RendezvousProcess, KillNineOfTheStoreHostIsSurvived) {
+  auto ep = free_endpoint();
+  Member host(member_args(ep, "n0", 0, 2, 3, true));
+  ASSERT_TRUE(host.next("store"));
+  Member b(member_args(ep, "n1", 1, 2, 3));
+  Member c(member_args(ep, "n2", 2, 2, 3));
+  for (auto* m : {&host, &b, &c}) ASSERT_TRUE(m->next("round"));
+  host.kill9();  // the node hosting the store dies, with its member
+  for (auto* m : {&b, &c}) {
+    auto change = m->next("change");
+    ASSERT_TRUE(change);
+    EXPECT_EQ((*change)["what"], "store lost");
+    auto r = m->next("round");
+    ASSERT_TRUE(r) << "survivors did not re-form on a standby store";
+    EXPECT_EQ((*r)["members"], json::array({"n1", "n2"}));
+    EXPECT_GE((*r)["gen"].get<int>(), 2) << "generations continue after a failover";
+  }
+}
+
 TEST(RendezvousProcess, WrongTokenIsRefused) {
   auto ep = free_endpoint();
   setenv("ELASTRUN_RDZV_TOKEN", "right", 1);

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a private 4-node testbed: four rendezvous members started by one srun step (zero flags:
 # identity, store endpoint and addresses all come from Slurm) form a 4-member round; after
-# `kill-node n3` the three survivors form a 3-member round without n3, in node order.
+# `kill-node n3` the three survivors form a 3-member round without n3, in node order; after
+# `kill-node n1` (the node hosting the store) the two survivors fail over to a standby store
+# and form a 2-member round: no node is a single point of failure.
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-rdzv),
 # ELASTRUN_BIN (build/bin).
 set -euo pipefail
@@ -48,6 +50,7 @@ wait_for() { # wait_for SECONDS CMD... until CMD succeeds
 }
 four_formed() { [[ $(rounds_of_size 4) -ge 4 ]]; }
 three_formed() { [[ $(rounds_of_size 3) -ge 3 ]]; }
+two_formed() { [[ $(rounds_of_size 2) -ge 2 ]]; }
 
 wait_for 120 four_formed || fail "four members did not form a round"
 grep -q '"members":\["n1","n2","n3","n4"\]' "$out/members.jsonl" || fail "round order is not n1..n4"
@@ -66,4 +69,16 @@ for r in three:
     assert r["master"] == three[0]["master"], r
 assert len({r["gen"] for r in three}) == 1, three
 print("ok: survivors re-formed:", three[0]["members"], "generation", three[0]["gen"])
+PY
+
+"$TB" kill-node n1   # the store's host
+wait_for 120 two_formed || fail "the two survivors did not re-form after the store host n1 died"
+/usr/bin/python3 - "$out/members.jsonl" <<'PY'
+import json, sys
+rounds = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"event":"round"')]
+two = [r for r in rounds if r["group_world_size"] == 2]
+assert sorted(r["node"] for r in two) == ["n2", "n4"], two
+assert all(r["members"] == ["n2", "n4"] for r in two), two
+assert min(r["gen"] for r in two) > max(r["gen"] for r in rounds if r["group_world_size"] == 3), rounds
+print("ok: survived the store host:", two[0]["members"], "generation", two[0]["gen"])
 PY

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -48,6 +49,7 @@ struct MemberInfo {
   std::string role = "default";
   std::int64_t pid = 0;
   std::uint16_t master_port = 0;  // reserved at join; group rank 0's becomes MASTER_PORT
+  std::uint16_t store_port = 0;   // this agent's standby store (0: none), for failover
 
   std::string sort_key() const;  // fixed-width, so key order is round order
 };
@@ -72,15 +74,22 @@ enum class Change {
   Reform,       // another agent started a new round (failure elsewhere, restart request)
   Fenced,       // we were declared dead: our lease is gone
   Closed,       // the rendezvous was closed
+  StoreLost,    // the store is unreachable; next_round() fails over to a standby
 };
 std::string_view to_string(Change change);
+
+// Opens a connection to the store at address:port (used to fail over to a standby store).
+using StoreConnector = std::function<std::unique_ptr<KvBackend>(const std::string& address, std::uint16_t port)>;
 
 class Rendezvous {
  public:
   // `kv` carries the protocol; `heartbeat_kv` (a second connection) holds this member's lease
   // and sends its keep-alives from a thread, so a busy agent is never mistaken for a dead one.
+  // With a `connector`, losing the store is survivable: every member runs a standby store
+  // (MemberInfo::store_port) and the survivors move to the first reachable one in round order,
+  // where the next round rebuilds the state (docs/rendezvous.md, "No single point of failure").
   Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> heartbeat_kv,
-             RendezvousConfig config, MemberInfo me);
+             RendezvousConfig config, MemberInfo me, StoreConnector connector = {});
   ~Rendezvous();
   Rendezvous(const Rendezvous&) = delete;
   Rendezvous& operator=(const Rendezvous&) = delete;
@@ -115,6 +124,7 @@ class Rendezvous {
   RoundResult finish_round(std::uint64_t gen, const std::string& roster, std::uint64_t revision);
   void wait_as_late_joiner(std::uint64_t gen);
   void heartbeat_loop();
+  void fail_over();
 
   std::unique_ptr<KvBackend> kv_;
   std::unique_ptr<KvBackend> heartbeat_kv_;
@@ -124,6 +134,8 @@ class Rendezvous {
   std::string my_key_;
   std::uint64_t lease_ = 0;
   std::atomic<bool> fenced_{false};
+  std::atomic<bool> store_lost_{false};
+  StoreConnector connector_;
   std::atomic<bool> stop_{false};
   std::mutex heartbeat_mutex_;  // the heartbeat connection is shared with re-leasing
   std::mutex stop_mutex_;

@@ -1,0 +1,443 @@
+// Core checkpoint tests on real HDF5 files: dtypes, shapes, resharding, commit, fallback.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <fstream>
+#include <map>
+
+#include "elastrun/ckpt/checkpoint.hpp"
+#include "h5.hpp"
+#include "internal.hpp"
+#include "test_support.hpp"
+
+namespace elastrun::ckpt {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::extract_box;
+using testing::make_tensor;
+using testing::GlobalTensor;
+using testing::world4_model;
+using testing::save_world4;
+using testing::run_ranks;
+using testing::split;
+using testing::TempDir;
+
+TEST(CkptDType, NamesRoundTripAndSizes) {
+  for (DType d : {DType::float16, DType::bfloat16, DType::float32, DType::float64, DType::int8,
+                  DType::int16, DType::int32, DType::int64, DType::uint8, DType::boolean}) {
+    EXPECT_EQ(dtype_from_name(dtype_name(d)), d);
+  }
+  EXPECT_EQ(dtype_size(DType::bfloat16), 2U);
+  EXPECT_EQ(dtype_size(DType::float64), 8U);
+  EXPECT_EQ(dtype_size(DType::boolean), 1U);
+  EXPECT_THROW(dtype_from_name("complex64"), std::invalid_argument);
+}
+
+TEST(CkptDetail, CopyBoxMatchesNaiveExtraction) {
+  const Shape shape = {4, 5, 6};
+  const auto global = make_tensor(7, DType::int16, shape);
+  const Shape offset = {1, 2, 0};
+  const Shape extent = {2, 3, 6};
+  std::vector<std::byte> out(element_count(extent) * 2);
+  detail::copy_box(global.data(), shape, offset, out.data(), extent, {0, 0, 0}, extent, 2);
+  EXPECT_EQ(out, extract_box(global, shape, offset, extent, 2));
+  // Into the middle of a larger destination.
+  const Shape dst_shape = {3, 4, 7};
+  std::vector<std::byte> dst(element_count(dst_shape) * 2, std::byte{0});
+  detail::copy_box(global.data(), shape, {0, 1, 1}, dst.data(), dst_shape, {1, 1, 2}, {2, 2, 4},
+                   2);
+  const auto back = extract_box(dst, dst_shape, {1, 1, 2}, {2, 2, 4}, 2);
+  EXPECT_EQ(back, extract_box(global, shape, {0, 1, 1}, {2, 2, 4}, 2));
+}
+
+TEST(CkptDetail, ReplicatedPiecesTileTheTensor) {
+  for (const Shape& shape : {Shape{10, 3}, Shape{2, 9, 4}, Shape{3}, Shape{2, 2}}) {
+    for (int world : {1, 3, 4, 6}) {
+      std::uint64_t covered = 0;
+      for (int r = 0; r < world; ++r) {
+        if (auto piece = detail::replicated_piece(shape, r, world)) {
+          covered += element_count(piece->extent);
+        }
+      }
+      EXPECT_EQ(covered, element_count(shape)) << detail::shape_string(shape) << " world " << world;
+    }
+  }
+  EXPECT_TRUE(detail::replicated_piece({}, 0, 4).has_value());
+  EXPECT_FALSE(detail::replicated_piece({}, 1, 4).has_value());
+  EXPECT_FALSE(detail::replicated_piece({0, 3}, 0, 4).has_value());
+}
+
+TEST(CkptDetail, StepNames) {
+  EXPECT_EQ(detail::step_name(1200), "step-000001200");
+  EXPECT_EQ(detail::parse_step_name("step-000001200"), 1200U);
+  EXPECT_FALSE(detail::parse_step_name("step-000001200.tmp-abc"));
+  EXPECT_FALSE(detail::parse_step_name("latest"));
+  EXPECT_TRUE(detail::is_partial_name("step-000001200.tmp-abc"));
+  EXPECT_FALSE(detail::is_partial_name("step-000001200"));
+  EXPECT_FALSE(detail::invalid_name_reason("model/layer1.weight").size());
+  EXPECT_TRUE(detail::invalid_name_reason("model//w").size());
+  EXPECT_TRUE(detail::invalid_name_reason("_elastrun/x").size());
+  EXPECT_TRUE(detail::invalid_name_reason("/abs").size());
+}
+
+// Every dtype and a range of shapes including 0-d and empty, world 1.
+TEST(CkptRoundTrip, EveryDTypeAndShape) {
+  TempDir dir;
+  const std::vector<DType> dtypes = {DType::float16, DType::bfloat16, DType::float32,
+                                     DType::float64, DType::int8,     DType::int16,
+                                     DType::int32,   DType::int64,    DType::uint8,
+                                     DType::boolean};
+  const std::vector<Shape> shapes = {{}, {0}, {1}, {7}, {3, 0, 2}, {4, 5}, {2, 3, 4, 5}};
+  std::map<std::string, std::pair<DType, Shape>> specs;
+  std::map<std::string, std::vector<std::byte>> data;
+  std::vector<TensorView> views;
+  std::uint64_t seed = 1;
+  for (DType dtype : dtypes) {
+    for (std::size_t s = 0; s < shapes.size(); ++s) {
+      const std::string name = fmt::format("t/{}/s{}", dtype_name(dtype), s);
+      specs[name] = {dtype, shapes[s]};
+      data[name] = make_tensor(seed++, dtype, shapes[s]);
+    }
+  }
+  for (auto& [name, spec] : specs) {
+    views.push_back(TensorView::replicated(name, spec.first, spec.second, data[name].data()));
+  }
+  SingleProcessCommunicator comm;
+  const nlohmann::json metadata = {{"epoch", 3}, {"data_position", 12345}};
+  const SaveResult saved = save_checkpoint(dir.path(), 5, views, metadata, comm);
+  EXPECT_EQ(saved.path, dir.path() / "step-000000005");
+  EXPECT_TRUE(fs::is_symlink(dir.path() / "latest"));
+  EXPECT_EQ(fs::read_symlink(dir.path() / "latest"), "step-000000005");
+
+  Checkpoint checkpoint(saved.path);
+  EXPECT_EQ(checkpoint.step(), 5U);
+  EXPECT_EQ(checkpoint.world_size(), 1);
+  EXPECT_EQ(checkpoint.metadata().at("epoch"), 3);
+  EXPECT_EQ(checkpoint.tensors().size(), specs.size());
+  EXPECT_TRUE(checkpoint.verify_all().empty());
+  for (auto& [name, spec] : specs) {
+    const TensorInfo& info = checkpoint.tensor(name);
+    EXPECT_EQ(info.dtype, spec.first) << name;
+    EXPECT_EQ(info.shape, spec.second) << name;
+    for (bool verify : {true, false}) {
+      Checkpoint fresh(saved.path);  // verification state is per object
+      std::vector<std::byte> out(data[name].size(), std::byte{0x5a});
+      fresh.read(TensorTarget::whole(name, spec.first, spec.second, out.data()),
+                 ReadOptions{verify});
+      EXPECT_EQ(out, data[name]) << name << " verify=" << verify;
+    }
+  }
+}
+
+// Restores the world-4 checkpoint with `world` ranks, each asking for a dim-0 split of every
+// tensor (rank's rows) and compares bit-exactly against the global tensors.
+void expect_restore_with_world(const fs::path& root, const std::vector<GlobalTensor>& model,
+                               int world, std::uint64_t expected_step) {
+  run_ranks(world, [&](int rank, Communicator& comm) {
+    std::vector<std::vector<std::byte>> buffers;
+    std::vector<TensorTarget> targets;
+    std::vector<std::vector<std::byte>> expected;
+    buffers.reserve(model.size());
+    for (const auto& t : model) {
+      Shape offset(t.shape.size(), 0);
+      Shape extent = t.shape;
+      if (!t.shape.empty()) {
+        const auto [begin, length] = split(t.shape[0], world, rank);
+        offset[0] = begin;
+        extent[0] = length;
+      }
+      expected.push_back(extract_box(t.bytes, t.shape, offset, extent, dtype_size(t.dtype)));
+      buffers.emplace_back(expected.back().size(), std::byte{0xee});
+      targets.push_back(TensorTarget::box(t.name, t.dtype, offset, extent, buffers.back().data()));
+    }
+    const auto restored = restore_latest(root, targets, comm);
+    ASSERT_TRUE(restored.has_value());
+    EXPECT_EQ(restored->step, expected_step);
+    EXPECT_EQ(restored->metadata.at("step_meta"), expected_step);
+    for (std::size_t i = 0; i < model.size(); ++i) {
+      EXPECT_EQ(buffers[i], expected[i]) << model[i].name << " world " << world << " rank "
+                                         << rank;
+    }
+  });
+}
+
+TEST(CkptReshard, World4ToWorlds3And6And1BitExact) {
+  TempDir dir;
+  const auto model = world4_model(100);
+  save_world4(dir.path(), 1200, model);
+  Checkpoint checkpoint(dir.path() / "step-000001200");
+  EXPECT_EQ(checkpoint.world_size(), 4);
+  EXPECT_EQ(checkpoint.tensor("model/w").shards.size(), 4U);
+  EXPECT_EQ(checkpoint.tensor("model/ragged").shards.size(), 3U);
+  EXPECT_EQ(checkpoint.tensor("opt/empty").shards.size(), 0U);
+  EXPECT_EQ(checkpoint.tensor("opt/step").shards.size(), 1U);
+  EXPECT_EQ(checkpoint.tensor("data/u8").shards.size(), 4U);  // split along dim 1 (5 >= 4)
+  EXPECT_TRUE(checkpoint.verify_all().empty());
+  for (int world : {3, 6, 1}) expect_restore_with_world(dir.path(), model, world, 1200);
+}
+
+TEST(CkptReshard, ArbitraryBoxesWithoutVerification) {
+  TempDir dir;
+  const auto model = world4_model(300);
+  save_world4(dir.path(), 3, model);
+  Checkpoint checkpoint(dir.path() / "step-000000003");
+  const auto& w = model[0];
+  // A box straddling all four shards of the 2x2 grid, read through HDF5 hyperslabs.
+  const Shape offset = {3, 2};
+  const Shape extent = {5, 4};
+  std::vector<std::byte> out(element_count(extent) * 4);
+  checkpoint.read(TensorTarget::box(w.name, w.dtype, offset, extent, out.data()),
+                  ReadOptions{false});
+  EXPECT_EQ(out, extract_box(w.bytes, w.shape, offset, extent, 4));
+}
+
+TEST(CkptReshard, ReadsTouchOnlyOverlappingShards) {
+  TempDir dir;
+  const auto model = world4_model(400);
+  save_world4(dir.path(), 4, model);
+  const fs::path step = dir.path() / "step-000000004";
+  // model/w is a 2x2 grid: rows [0,5) live in shards 0 and 1 only. Without shards 2 and 3 a
+  // box inside rows [0,5) still reads (verified or not); one reaching row 5 must fail.
+  fs::remove(step / "shard-00002-of-00004.h5");
+  fs::remove(step / "shard-00003-of-00004.h5");
+  const auto& w = model[0];
+  for (bool verify : {true, false}) {
+    Checkpoint checkpoint(step);
+    std::vector<std::byte> top(5 * 7 * 4);
+    checkpoint.read(TensorTarget::box(w.name, w.dtype, {0, 0}, {5, 7}, top.data()),
+                    ReadOptions{verify});
+    EXPECT_EQ(top, extract_box(w.bytes, w.shape, {0, 0}, {5, 7}, 4));
+    std::vector<std::byte> reaching(6 * 7 * 4);
+    EXPECT_THROW(checkpoint.read(TensorTarget::box(w.name, w.dtype, {0, 0}, {6, 7},
+                                                   reaching.data()),
+                                 ReadOptions{verify}),
+                 CorruptCheckpointError);
+  }
+}
+
+TEST(CkptSave, InconsistentRanksFailEverywhereAndKeepPrevious) {
+  TempDir dir;
+  const auto model = world4_model(1);
+  save_world4(dir.path(), 10, model);
+  std::vector<float> values(8, 1.0F);
+  std::atomic<int> failures = 0;
+  run_ranks(4, [&](int rank, Communicator& comm) {
+    // Rank 2 declares a different global shape: rank 0's merge must reject the step.
+    const Shape shape = rank == 2 ? Shape{9} : Shape{8};
+    const auto [b, n] = split(8, 4, rank);
+    auto view = TensorView::sharded("x", DType::float32, shape, {b}, {n}, values.data() + b);
+    try {
+      save_checkpoint(dir.path(), 11, std::span(&view, 1), {}, comm);
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("'x'"), std::string::npos) << e.what();
+      ++failures;
+    }
+  });
+  EXPECT_EQ(failures.load(), 4);
+  const auto steps = list_steps(dir.path());
+  ASSERT_EQ(steps.size(), 1U);
+  EXPECT_EQ(steps[0].step, 10U);
+  EXPECT_EQ(fs::read_symlink(dir.path() / "latest"), "step-000000010");
+}
+
+TEST(CkptSave, InvalidSliceFailsAllRanks) {
+  TempDir dir;
+  std::vector<float> values(4, 0.0F);
+  std::atomic<int> failures = 0;
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    const Shape extent = rank == 1 ? Shape{5} : Shape{2};  // rank 1 runs past the end
+    auto view = TensorView::sharded("x", DType::float32, {4}, {rank * 2ULL}, extent, values.data());
+    try {
+      save_checkpoint(dir.path(), 1, std::span(&view, 1), {}, comm);
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+      ++failures;
+    }
+  });
+  EXPECT_EQ(failures.load(), 2);
+  EXPECT_TRUE(list_steps(dir.path()).empty());
+}
+
+TEST(CkptCommit, RetentionKeepsLastKAndEveryM) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  std::vector<std::int32_t> values = {1, 2, 3};
+  SaveOptions options;
+  options.fsync = false;
+  options.keep_last = 2;
+  options.keep_every = 4;
+  for (std::uint64_t step = 1; step <= 9; ++step) {
+    values[0] = static_cast<std::int32_t>(step);
+    auto view = TensorView::replicated("v", DType::int32, {3}, values.data());
+    save_checkpoint(dir.path(), step, std::span(&view, 1), {}, comm, options);
+  }
+  std::vector<std::uint64_t> steps;
+  for (const auto& e : list_steps(dir.path())) steps.push_back(e.step);
+  EXPECT_EQ(steps, (std::vector<std::uint64_t>{4, 8, 9}));
+  // A leftover temporary directory is ignored by listing and removed by the next save.
+  fs::create_directories(dir.path() / "step-000000010.tmp-deadbeef");
+  EXPECT_EQ(list_steps(dir.path()).back().step, 9U);
+  auto view = TensorView::replicated("v", DType::int32, {3}, values.data());
+  save_checkpoint(dir.path(), 10, std::span(&view, 1), {}, comm, options);
+  EXPECT_FALSE(fs::exists(dir.path() / "step-000000010.tmp-deadbeef"));
+  EXPECT_EQ(fs::read_symlink(dir.path() / "latest"), "step-000000010");
+}
+
+TEST(CkptCommit, ResavingAStepReplacesIt) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  std::vector<std::int32_t> values = {1, 2, 3};
+  auto view = TensorView::replicated("v", DType::int32, {3}, values.data());
+  save_checkpoint(dir.path(), 7, std::span(&view, 1), {}, comm);
+  values = {4, 5, 6};
+  save_checkpoint(dir.path(), 7, std::span(&view, 1), {}, comm);
+  std::vector<std::int32_t> out(3);
+  auto target = TensorTarget::whole("v", DType::int32, {3}, out.data());
+  auto restored = restore_latest(dir.path(), std::span(&target, 1), comm);
+  ASSERT_TRUE(restored);
+  EXPECT_EQ(out, values);
+  EXPECT_EQ(list_steps(dir.path()).size(), 1U);
+}
+
+// Flips bytes inside the stored data of a shard dataset (found through HDF5's own offset).
+void corrupt_dataset_bytes(const fs::path& shard, const std::string& dataset_name);
+
+void corrupt_dataset_bytes(const fs::path& shard, const std::string& dataset_name) {
+  haddr_t offset = HADDR_UNDEF;
+  {
+    h5::Lock lock(h5::library_mutex());
+    h5::Handle file = h5::make_file(H5Fopen(shard.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "open");
+    h5::Handle dataset =
+        h5::make_dataset(H5Dopen2(file.get(), dataset_name.c_str(), H5P_DEFAULT), "open dataset");
+    offset = H5Dget_offset(dataset.get());
+  }
+  ASSERT_NE(offset, HADDR_UNDEF);
+  std::fstream stream(shard, std::ios::in | std::ios::out | std::ios::binary);
+  ASSERT_TRUE(stream.good());
+  stream.seekg(static_cast<std::streamoff>(offset));
+  char byte = 0;
+  stream.read(&byte, 1);
+  byte = static_cast<char>(byte ^ 0x40);
+  stream.seekp(static_cast<std::streamoff>(offset));
+  stream.write(&byte, 1);
+  ASSERT_TRUE(stream.good());
+}
+
+TEST(CkptSave, AlignmentPlacesLargeDatasetsOnStripeBoundaries) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  const auto big = make_tensor(1, DType::float32, {300, 100});    // 120 kB: aligned
+  const auto small = make_tensor(2, DType::float32, {10});         // below the threshold
+  const std::vector<TensorView> views = {
+      TensorView::replicated("a/small", DType::float32, {10}, small.data()),
+      TensorView::replicated("a/big", DType::float32, {300, 100}, big.data())};
+  SaveOptions options;
+  options.alignment = 1 << 20;
+  options.alignment_threshold = 64 * 1024;
+  save_checkpoint(dir.path(), 1, views, {}, comm, options);
+  const fs::path shard = dir.path() / "step-000000001" / "shard-00000-of-00001.h5";
+  h5::Lock lock(h5::library_mutex());
+  h5::Handle file = h5::make_file(H5Fopen(shard.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "open");
+  h5::Handle dataset = h5::make_dataset(H5Dopen2(file.get(), "a/big", H5P_DEFAULT), "open");
+  const haddr_t offset = H5Dget_offset(dataset.get());
+  ASSERT_NE(offset, HADDR_UNDEF);
+  EXPECT_EQ(offset % (1 << 20), 0U);
+  h5::Handle dcpl = h5::make_plist(H5Dget_create_plist(dataset.get()), "dcpl");
+  EXPECT_EQ(H5Pget_layout(dcpl.get()), H5D_CONTIGUOUS);
+  H5D_fill_time_t fill_time{};
+  ASSERT_GE(H5Pget_fill_time(dcpl.get(), &fill_time), 0);
+  EXPECT_EQ(fill_time, H5D_FILL_TIME_NEVER);
+}
+
+TEST(CkptVerify, CorruptShardDetectedAndRestoreFallsBack) {
+  TempDir dir;
+  const auto old_model = world4_model(500);
+  const auto new_model = world4_model(600);
+  save_world4(dir.path(), 100, old_model);
+  save_world4(dir.path(), 200, new_model);
+  const fs::path bad_shard = dir.path() / "step-000000200" / "shard-00001-of-00004.h5";
+  corrupt_dataset_bytes(bad_shard, "model/w");
+
+  Checkpoint damaged(dir.path() / "step-000000200");
+  const auto problems = damaged.verify_all();
+  ASSERT_EQ(problems.size(), 1U);
+  EXPECT_NE(problems[0].find("shard-00001-of-00004.h5"), std::string::npos) << problems[0];
+  EXPECT_NE(problems[0].find("model/w"), std::string::npos) << problems[0];
+
+  // Reading with verification names file and tensor; the fast path does not hash.
+  Checkpoint again(dir.path() / "step-000000200");
+  std::vector<std::byte> out(10 * 7 * 4);
+  auto whole_w = TensorTarget::whole("model/w", DType::float32, {10, 7}, out.data());
+  try {
+    again.read(whole_w);
+    ADD_FAILURE() << "corruption not detected";
+  } catch (const CorruptCheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("shard-00001-of-00004.h5"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("model/w"), std::string::npos);
+  }
+  EXPECT_NO_THROW(again.read(whole_w, ReadOptions{false}));
+
+  run_ranks(3, [&](int, Communicator& comm) {
+    std::vector<std::byte> buffer(10 * 7 * 4);
+    auto target = TensorTarget::whole("model/w", DType::float32, {10, 7}, buffer.data());
+    const auto restored = restore_latest(dir.path(), std::span(&target, 1), comm);
+    ASSERT_TRUE(restored);
+    EXPECT_EQ(restored->step, 100U);
+    EXPECT_EQ(buffer, old_model[0].bytes);
+    ASSERT_FALSE(restored->skipped.empty());
+    EXPECT_NE(restored->skipped[0].find("model/w"), std::string::npos);
+  });
+}
+
+TEST(CkptVerify, TruncatedAndMissingShardsFallBack) {
+  TempDir dir;
+  const auto model = world4_model(700);
+  save_world4(dir.path(), 1, model);
+  save_world4(dir.path(), 2, model);
+  save_world4(dir.path(), 3, model);
+  const fs::path truncated = dir.path() / "step-000000003" / "shard-00002-of-00004.h5";
+  fs::resize_file(truncated, fs::file_size(truncated) / 2);
+  fs::remove(dir.path() / "step-000000002" / "shard-00000-of-00004.h5");
+
+  Checkpoint step3(dir.path() / "step-000000003");
+  try {
+    step3.check_files();
+    ADD_FAILURE() << "truncation not detected";
+  } catch (const CorruptCheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("shard-00002-of-00004.h5"), std::string::npos);
+  }
+  EXPECT_FALSE(step3.verify_all().empty());
+  expect_restore_with_world(dir.path(), model, 2, 1);
+  // A step whose index is gone is skipped too.
+  fs::remove(dir.path() / "step-000000001" / "index.h5");
+  run_ranks(1, [&](int, Communicator& comm) {
+    EXPECT_FALSE(restore_latest(dir.path(), {}, comm).has_value());
+  });
+  EXPECT_THROW(Checkpoint(dir.path() / "step-000000001"), CorruptCheckpointError);
+}
+
+TEST(CkptRestore, CallerMistakesAreErrorsNotFallbacks) {
+  TempDir dir;
+  const auto model = world4_model(800);
+  save_world4(dir.path(), 1, model);
+  save_world4(dir.path(), 2, model);
+  run_ranks(2, [&](int, Communicator& comm) {
+    std::vector<double> buffer(70);
+    auto wrong_dtype = TensorTarget::whole("model/w", DType::float64, {10, 7}, buffer.data());
+    EXPECT_THROW(restore_latest(dir.path(), std::span(&wrong_dtype, 1), comm), CheckpointError);
+    auto unknown = TensorTarget::whole("model/nope", DType::float64, {10, 7}, buffer.data());
+    EXPECT_THROW(restore_latest(dir.path(), std::span(&unknown, 1), comm), CheckpointError);
+  });
+}
+
+TEST(CkptRestore, EmptyDirectoryHasNothingToRestore) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  EXPECT_FALSE(restore_latest(dir.path() / "never-created", {}, comm).has_value());
+}
+
+}  // namespace
+}  // namespace elastrun::ckpt
