@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <memory>
+
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "elastrun/ckpt/mpi_comm.hpp"
 #include "h5.hpp"
@@ -171,7 +173,8 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (rank != 0) {  // one rank's report is enough; failures still fail the exit code
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
+    std::unique_ptr<::testing::TestEventListener> quiet(
+        listeners.Release(listeners.default_result_printer()));
   }
   const int result = RUN_ALL_TESTS();
   int worst = 0;

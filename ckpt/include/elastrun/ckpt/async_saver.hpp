@@ -1,0 +1,61 @@
+#pragma once
+// Asynchronous save: training blocks only while tensors are copied into host staging buffers
+// (allocated once per tensor and reused: first touch of fresh memory is slow), a background
+// thread then runs save_checkpoint. One save in flight; errors are never dropped.
+#include <condition_variable>
+#include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+
+#include "elastrun/ckpt/checkpoint.hpp"
+
+namespace elastrun::ckpt {
+
+class AsyncSaver {
+ public:
+  // `comm` is used from the writer thread (see MpiCommunicator about MPI_THREAD_MULTIPLE) and
+  // must outlive the saver. Every rank of comm must drive its own AsyncSaver in lockstep.
+  AsyncSaver(std::filesystem::path root, Communicator& comm, SaveOptions options = {});
+  // Waits for the in-flight save. An unreported error is lost here: call wait() first.
+  ~AsyncSaver();
+  AsyncSaver(const AsyncSaver&) = delete;
+  AsyncSaver& operator=(const AsyncSaver&) = delete;
+
+  // Waits for the previous save; if it failed, throws its error (and does not start this one).
+  // Otherwise snapshots `tensors` and returns; the caller may modify them right away.
+  void save(std::uint64_t step, std::span<const TensorView> tensors, nlohmann::json metadata);
+  // Blocks until no save is in flight; throws the last save's error once, if it failed.
+  std::optional<SaveResult> wait();
+  bool busy() const;
+
+ private:
+  struct Job {
+    std::uint64_t step = 0;
+    std::vector<TensorView> views;  // point into staging_
+    nlohmann::json metadata;
+  };
+  struct Staging {
+    std::unique_ptr<std::byte[]> bytes;
+    std::size_t capacity = 0;
+  };
+  void run(std::stop_token stop);
+  void wait_idle(std::unique_lock<std::mutex>& lock);
+
+  std::filesystem::path root_;
+  Communicator& comm_;
+  SaveOptions options_;
+  std::map<std::string, Staging> staging_;
+  std::vector<std::byte> gather_scratch_;  // replicated pieces not contiguous in the source
+  mutable std::mutex mutex_;
+  std::condition_variable_any changed_;
+  std::optional<Job> pending_;
+  bool in_flight_ = false;
+  std::exception_ptr error_;
+  std::optional<SaveResult> last_result_;
+  std::jthread worker_;  // last member: started after, joined before, everything above
+};
+
+}  // namespace elastrun::ckpt

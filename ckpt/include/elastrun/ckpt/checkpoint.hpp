@@ -1,0 +1,144 @@
+#pragma once
+// Save, find, verify and restore checkpoints (format: docs/checkpoint-format.md).
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "elastrun/ckpt/comm.hpp"
+#include "elastrun/ckpt/errors.hpp"
+#include "elastrun/ckpt/tensor.hpp"
+
+namespace elastrun::ckpt {
+
+inline constexpr int kFormatVersion = 1;
+
+enum class Layout : std::uint8_t {
+  file_per_rank,  // shard-RRRRR-of-NNNNN.h5 per rank + index.h5 (any Communicator)
+  shared_file,    // one data.h5 written collectively with MPI-IO + index.h5 (MpiCommunicator)
+};
+
+struct SaveOptions {
+  Layout layout = Layout::file_per_rank;
+  // HDF5 data alignment in bytes (set to the filesystem stripe size); 0 = HDF5 default.
+  std::uint64_t alignment = 0;
+  // Objects smaller than this are not aligned.
+  std::uint64_t alignment_threshold = 64 * 1024;
+  // HDF5 1.10 file locking breaks on many parallel filesystems; off unless asked for.
+  bool file_locking = false;
+  // fsync shard files, index and directories before voting/renaming. Only tests turn it off.
+  bool fsync = true;
+  // Retention applied by rank 0 after a successful commit: keep the newest `keep_last` steps
+  // (0 = keep all) plus every step divisible by `keep_every` (0 = none).
+  int keep_last = 0;
+  std::uint64_t keep_every = 0;
+};
+
+struct SaveResult {
+  std::filesystem::path path;  // committed step directory
+  std::uint64_t bytes_written = 0;  // this rank's tensor bytes
+};
+
+// Collective: every rank of `comm` calls it with its tensors. Writes
+// <root>/step-<step>.tmp-<gen>/, votes, and (rank 0) renames it to <root>/step-<step>/ and
+// points <root>/latest at it. Throws CheckpointError on every rank if any rank failed; the
+// previous checkpoint is untouched in that case.
+SaveResult save_checkpoint(const std::filesystem::path& root, std::uint64_t step,
+                           std::span<const TensorView> tensors, const nlohmann::json& metadata,
+                           Communicator& comm, const SaveOptions& options = {});
+
+struct ShardInfo {
+  std::string file;   // relative to the step directory
+  int rank = 0;
+  Shape offset;
+  Shape extent;
+  std::uint64_t xxh3 = 0;
+  Shape in_file_offset;  // where the piece starts inside the file's dataset (zeros per-rank)
+};
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::float32;
+  Shape shape;
+  Placement placement = Placement::replicated;
+  std::vector<ShardInfo> shards;
+  std::uint64_t bytes() const { return element_count(shape) * dtype_size(dtype); }
+};
+
+struct ReadOptions {
+  // Hash every shard dataset a read touches (whole dataset, once per Checkpoint object).
+  bool verify = true;
+};
+
+// A committed (or any) step directory opened for reading. Not thread-safe; one per thread.
+class Checkpoint {
+ public:
+  // Throws CorruptCheckpointError if the index is missing or unreadable.
+  explicit Checkpoint(std::filesystem::path step_dir);
+  ~Checkpoint();
+  Checkpoint(Checkpoint&&) noexcept;
+  Checkpoint& operator=(Checkpoint&&) noexcept;
+
+  const std::filesystem::path& path() const;
+  std::uint64_t step() const;
+  int world_size() const;
+  std::string layout() const;
+  const nlohmann::json& metadata() const;
+  const std::vector<TensorInfo>& tensors() const;
+  const TensorInfo& tensor(const std::string& name) const;  // throws if absent
+  std::uint64_t total_bytes() const;
+
+  // Cheap structural check: every file the manifest names exists with its recorded size.
+  // Throws CorruptCheckpointError naming the file.
+  void check_files() const;
+  // Reads every shard dataset and compares hashes. Returns one line per problem (empty = ok).
+  std::vector<std::string> verify_all();
+  // Reads the box target.offset/extent of tensor target.name into target.data, touching only
+  // the shard bytes that overlap it. Throws CorruptCheckpointError on damaged data.
+  void read(const TensorTarget& target, const ReadOptions& options = {});
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+struct StepEntry {
+  std::uint64_t step = 0;
+  std::filesystem::path path;
+};
+
+// Committed step directories under root, oldest first (partial .tmp directories excluded).
+std::vector<StepEntry> list_steps(const std::filesystem::path& root);
+std::filesystem::path step_directory(const std::filesystem::path& root, std::uint64_t step);
+
+struct RestoreOptions {
+  bool verify = true;
+  // Try at most this many checkpoints, newest first (0 = all).
+  int max_attempts = 0;
+};
+
+struct RestoreResult {
+  std::uint64_t step = 0;
+  std::filesystem::path path;
+  nlohmann::json metadata;
+  std::vector<std::string> skipped;  // why newer checkpoints were rejected
+};
+
+// Collective: loads the newest checkpoint whose every target reads (and verifies) on every
+// rank; falls back to older ones otherwise. Targets may use any sharding and any world size.
+// Returns nullopt if there is no loadable checkpoint.
+std::optional<RestoreResult> restore_latest(const std::filesystem::path& root,
+                                            std::span<const TensorTarget> targets,
+                                            Communicator& comm, const RestoreOptions& options = {});
+
+// Rank-0 housekeeping (save_checkpoint calls it): removes partial .tmp-* directories and steps
+// beyond the retention policy. Never removes the newest committed step.
+void apply_retention(const std::filesystem::path& root, int keep_last, std::uint64_t keep_every);
+void remove_partial_directories(const std::filesystem::path& root);
+
+}  // namespace elastrun::ckpt

@@ -1,0 +1,20 @@
+#pragma once
+#include <stdexcept>
+#include <string>
+
+namespace elastrun::ckpt {
+
+// Any checkpoint failure (I/O, HDF5, bad arguments, failed vote).
+class CheckpointError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// The data on disk is damaged, truncated or missing (hash mismatch, unreadable shard, ...).
+// Restore treats this as "try the previous checkpoint".
+class CorruptCheckpointError : public CheckpointError {
+ public:
+  using CheckpointError::CheckpointError;
+};
+
+}  // namespace elastrun::ckpt

@@ -1,0 +1,103 @@
+#include "elastrun/ckpt/async_saver.hpp"
+
+#include <cstring>
+
+#include "writers.hpp"
+
+namespace elastrun::ckpt {
+
+AsyncSaver::AsyncSaver(std::filesystem::path root, Communicator& comm, SaveOptions options)
+    : root_(std::move(root)), comm_(comm), options_(options),
+      worker_([this](std::stop_token stop) { run(stop); }) {}
+
+AsyncSaver::~AsyncSaver() {
+  std::unique_lock lock(mutex_);
+  wait_idle(lock);
+  lock.unlock();
+  worker_.request_stop();
+  changed_.notify_all();
+}
+
+bool AsyncSaver::busy() const {
+  std::lock_guard lock(mutex_);
+  return in_flight_;
+}
+
+void AsyncSaver::wait_idle(std::unique_lock<std::mutex>& lock) {
+  changed_.wait(lock, [&] { return !in_flight_; });
+}
+
+std::optional<SaveResult> AsyncSaver::wait() {
+  std::unique_lock lock(mutex_);
+  wait_idle(lock);
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  return std::exchange(last_result_, std::nullopt);
+}
+
+void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
+                      nlohmann::json metadata) {
+  std::unique_lock lock(mutex_);
+  wait_idle(lock);
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  Job job;
+  job.step = step;
+  job.metadata = std::move(metadata);
+  static const std::byte no_piece{};  // non-null data for ranks that write none of a tensor
+  try {
+    detail::validate_tensors(tensors);
+  } catch (const CheckpointError&) {
+    // Not thrown here: the other ranks' writers are about to wait for this rank's vote. The
+    // writer thread re-validates (before touching any data), votes no, and every rank gets
+    // the error from wait() or the next save().
+    job.views.assign(tensors.begin(), tensors.end());
+    pending_ = std::move(job);
+    in_flight_ = true;
+    changed_.notify_all();
+    return;
+  }
+  for (const auto& tensor : tensors) {
+    // Only the bytes this rank will write: its slice, or its piece of a replicated tensor.
+    const std::optional<detail::Box> piece = detail::rank_piece(tensor, comm_.rank(), comm_.size());
+    const std::size_t bytes = piece ? element_count(piece->extent) * dtype_size(tensor.dtype) : 0;
+    Staging& staging = staging_[tensor.name];
+    if (staging.capacity < bytes) {
+      staging.bytes = std::make_unique_for_overwrite<std::byte[]>(bytes);
+      staging.capacity = bytes;
+    }
+    TensorView copy = tensor;
+    copy.data = bytes > 0 ? staging.bytes.get() : &no_piece;
+    if (bytes > 0) {
+      std::memcpy(staging.bytes.get(), detail::piece_data(tensor, *piece, gather_scratch_), bytes);
+    }
+    job.views.push_back(std::move(copy));
+  }
+  pending_ = std::move(job);
+  in_flight_ = true;
+  changed_.notify_all();
+}
+
+void AsyncSaver::run(std::stop_token stop) {
+  std::unique_lock lock(mutex_);
+  while (true) {
+    changed_.wait(lock, stop, [&] { return pending_.has_value(); });
+    if (!pending_) return;  // stop requested while idle
+    Job job = std::move(*pending_);
+    pending_.reset();
+    lock.unlock();
+    std::exception_ptr error;
+    std::optional<SaveResult> result;
+    try {
+      result = detail::save_checkpoint_from(root_, job.step, job.views, job.metadata, comm_,
+                                            options_, detail::PieceSource::rank_piece_only);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    error_ = error;
+    last_result_ = std::move(result);
+    in_flight_ = false;
+    changed_.notify_all();
+  }
+}
+
+}  // namespace elastrun::ckpt

@@ -1,0 +1,171 @@
+// Shared-file layout: all ranks write one data.h5 collectively through HDF5's MPI-IO driver.
+#include <map>
+
+#include <fmt/format.h>
+
+#include "elastrun/ckpt/mpi_comm.hpp"
+#include "h5.hpp"
+#include "writers.hpp"
+
+namespace elastrun::ckpt::detail {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+struct Declaration {
+  std::string dtype;
+  Shape shape;
+  std::string placement;
+};
+
+// Plan round: every rank learns every tensor (collective dataset creation needs identical calls
+// on all ranks) and every rank's validation error, so all ranks fail or proceed together.
+std::map<std::string, Declaration> agree_on_tensors(std::span<const TensorView> tensors,
+                                                    Communicator& comm, bool have_mpi) {
+  json mine = {{"error", ""}, {"mpi", have_mpi}, {"tensors", json::array()}};
+  try {
+    validate_tensors(tensors);
+    for (const auto& t : tensors) {
+      mine["tensors"].push_back({{"name", t.name},
+                                 {"dtype", dtype_name(t.dtype)},
+                                 {"shape", t.global_shape},
+                                 {"placement", placement_name(t.placement)}});
+    }
+  } catch (const std::exception& e) {
+    mine["error"] = e.what();
+  }
+  const std::vector<std::string> gathered = comm.allgather(mine.dump());
+  std::map<std::string, Declaration> plan;
+  for (std::size_t r = 0; r < gathered.size(); ++r) {
+    const json theirs = json::parse(gathered[r]);
+    if (!theirs["error"].get<std::string>().empty()) {
+      throw CheckpointError(fmt::format("rank {}: {}", r, theirs["error"].get<std::string>()));
+    }
+    if (!theirs["mpi"].get<bool>()) {
+      throw CheckpointError(fmt::format("rank {}: the shared-file layout needs an "
+                                        "MpiCommunicator; use Layout::file_per_rank otherwise",
+                                        r));
+    }
+    for (const auto& t : theirs["tensors"]) {
+      Declaration declaration{t["dtype"], t["shape"].get<Shape>(), t["placement"]};
+      auto [it, inserted] = plan.try_emplace(t["name"].get<std::string>(), declaration);
+      if (!inserted && (it->second.dtype != declaration.dtype ||
+                        it->second.shape != declaration.shape ||
+                        it->second.placement != declaration.placement)) {
+        throw CheckpointError(fmt::format("tensor '{}': rank {} declares {} {} {} unlike another "
+                                          "rank; all ranks must agree",
+                                          it->first, r, declaration.dtype,
+                                          shape_string(declaration.shape), declaration.placement));
+      }
+    }
+  }
+  return plan;
+}
+
+}  // namespace
+
+json write_shared_file(const fs::path& directory, std::uint64_t step,
+                       std::span<const TensorView> tensors, Communicator& comm,
+                       const SaveOptions& options, PieceSource source,
+                       std::uint64_t& bytes_written) {
+  auto* mpi = dynamic_cast<MpiCommunicator*>(&comm);
+  const std::map<std::string, Declaration> plan = agree_on_tensors(tensors, comm, mpi != nullptr);
+  std::map<std::string, const TensorView*> local;
+  for (const auto& t : tensors) local[t.name] = &t;
+
+  const int rank = comm.rank();
+  const int world = comm.size();
+  const fs::path file_path = directory / kSharedDataFile;
+  json report = {{"rank", rank}, {"file", kSharedDataFile}, {"tensors", json::array()}};
+  std::vector<std::byte> gather_buffer;
+  {
+    h5::Lock lock(h5::library_mutex());
+    h5::Handle fapl = h5::make_plist(H5Pcreate(H5P_FILE_ACCESS), "create file access list");
+    h5::check(H5Pset_fapl_mpio(fapl.get(), mpi->comm(), MPI_INFO_NULL), "select MPI-IO driver");
+    h5::check(H5Pset_all_coll_metadata_ops(fapl.get(), 1), "enable collective metadata reads");
+    h5::check(H5Pset_coll_metadata_write(fapl.get(), 1), "enable collective metadata writes");
+    if (options.alignment > 1) {
+      h5::check(H5Pset_alignment(fapl.get(), options.alignment_threshold, options.alignment),
+                "set alignment");
+    }
+    h5::check(H5Pset_file_locking(fapl.get(), options.file_locking ? 1 : 0, 1),
+              "set file locking");
+    h5::Handle file = h5::make_file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()),
+                                    "create shared file " + file_path.string());
+    h5::write_attr_string(file.get(), "format", kFormatName);
+    h5::write_attr_i64(file.get(), "format_version", kFormatVersion);
+    h5::write_attr_i64(file.get(), "step", static_cast<std::int64_t>(step));
+    h5::write_attr_i64(file.get(), "world_size", world);
+    h5::Handle dxpl = h5::make_plist(H5Pcreate(H5P_DATASET_XFER), "create transfer list");
+    h5::check(H5Pset_dxpl_mpio(dxpl.get(), H5FD_MPIO_COLLECTIVE), "request collective transfers");
+    h5::Handle lcpl = h5::link_create_intermediate();
+    h5::Handle dcpl = h5::contiguous_no_fill();
+    const std::byte no_data{};  // a valid pointer for ranks that contribute nothing
+
+    for (const auto& [name, declaration] : plan) {
+      const DType dtype = dtype_from_name(declaration.dtype);
+      const std::size_t element_size = dtype_size(dtype);
+      h5::Handle type = h5::storage_type(dtype);
+      h5::Handle global_space = h5::dataspace(declaration.shape);
+      h5::Handle dataset = h5::make_dataset(
+          H5Dcreate2(file.get(), name.c_str(), type.get(), global_space.get(), lcpl.get(),
+                     dcpl.get(), H5P_DEFAULT),
+          fmt::format("create dataset {} in {}", name, file_path.string()));
+      h5::write_attr_string(dataset.get(), "dtype", declaration.dtype);
+      h5::write_attr_string(dataset.get(), "placement", declaration.placement);
+
+      const auto found = local.find(name);
+      const TensorView* view = found == local.end() ? nullptr : found->second;
+      const std::optional<Box> piece = view ? rank_piece(*view, rank, world) : std::nullopt;
+      json entry = {{"name", name},
+                    {"dtype", declaration.dtype},
+                    {"shape", declaration.shape},
+                    {"placement", declaration.placement},
+                    {"pieces", json::array()}};
+      if (element_count(declaration.shape) == 0) {  // nothing to transfer on any rank
+        if (view) report["tensors"].push_back(std::move(entry));
+        continue;
+      }
+      h5::Handle file_space = h5::make_space(H5Dget_space(dataset.get()), "get dataspace");
+      h5::Handle memory_space;
+      const std::byte* bytes = &no_data;
+      if (piece) {
+        bytes = piece_data(*view, *piece, gather_buffer, source);
+        memory_space = h5::dataspace(piece->extent);
+        if (!declaration.shape.empty()) {
+          const std::vector<hsize_t> start(piece->offset.begin(), piece->offset.end());
+          const std::vector<hsize_t> count(piece->extent.begin(), piece->extent.end());
+          h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr,
+                                        count.data(), nullptr),
+                    "select piece of " + name);
+        }
+      } else {
+        const hsize_t one[1] = {1};
+        memory_space = h5::make_space(H5Screate_simple(1, one, nullptr), "create dataspace");
+        h5::check(H5Sselect_none(memory_space.get()), "select nothing");
+        h5::check(H5Sselect_none(file_space.get()), "select nothing");
+      }
+      h5::check(H5Dwrite(dataset.get(), type.get(), memory_space.get(), file_space.get(),
+                         dxpl.get(), bytes),
+                fmt::format("collective write of {} to {}", name, file_path.string()));
+      if (piece) {
+        const std::uint64_t piece_bytes = element_count(piece->extent) * element_size;
+        entry["pieces"].push_back({{"offset", piece->offset},
+                                   {"extent", piece->extent},
+                                   {"in_file_offset", piece->offset},
+                                   {"xxh3", xxh3(bytes, piece_bytes)}});
+        bytes_written += piece_bytes;
+      }
+      if (view) report["tensors"].push_back(std::move(entry));
+    }
+    file.close_checked("close shared file " + file_path.string());
+  }
+  // Every rank flushes its node's cached pages of the file (MPI-IO wrote through each of them).
+  if (options.fsync) fsync_path(file_path, false);
+  report["file_bytes"] = static_cast<std::uint64_t>(fs::file_size(file_path));
+  return report;
+}
+
+}  // namespace elastrun::ckpt::detail

@@ -1,0 +1,513 @@
+// save_checkpoint: shard files per rank, vote, index with virtual datasets, atomic commit.
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "elastrun/ckpt/checkpoint.hpp"
+#include "h5.hpp"
+#include "internal.hpp"
+#include "writers.hpp"
+
+namespace elastrun::ckpt {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using detail::Box;
+
+namespace {
+
+std::string_view placement_name(Placement placement) { return detail::placement_name(placement); }
+
+}  // namespace
+
+std::optional<Box> detail::rank_piece(const TensorView& t, int rank, int world) {
+  if (t.placement == Placement::sharded) {
+    if (element_count(t.slice_extent) == 0) return std::nullopt;
+    return Box{t.slice_offset, t.slice_extent};
+  }
+  return detail::replicated_piece(t.global_shape, rank, world);
+}
+
+const std::byte* detail::piece_data(const TensorView& t, const Box& piece,
+                                    std::vector<std::byte>& gather_buffer, PieceSource source) {
+  if (t.placement == Placement::sharded || t.global_shape.empty() ||
+      source == PieceSource::rank_piece_only) {
+    return t.data;
+  }
+  // A replicated piece differs from the whole tensor in one dimension (`split`); it is
+  // contiguous in the caller's memory when every dimension before that one has length 1.
+  const std::size_t ndim = t.global_shape.size();
+  const std::size_t element_size = dtype_size(t.dtype);
+  std::size_t split = 0;
+  while (split < ndim && piece.extent[split] == t.global_shape[split]) ++split;
+  if (split == ndim) return t.data;  // the whole tensor
+  bool contiguous = true;
+  for (std::size_t d = 0; d < split; ++d) contiguous = contiguous && t.global_shape[d] == 1;
+  if (contiguous) {
+    std::uint64_t stride_bytes = element_size;
+    for (std::size_t d = split + 1; d < ndim; ++d) stride_bytes *= t.global_shape[d];
+    return t.data + piece.offset[split] * stride_bytes;
+  }
+  gather_buffer.resize(element_count(piece.extent) * element_size);
+  detail::copy_box(t.data, t.global_shape, piece.offset, gather_buffer.data(), piece.extent,
+                   Shape(ndim, 0), piece.extent, element_size);
+  return gather_buffer.data();
+}
+
+void detail::validate_tensors(std::span<const TensorView> tensors) {
+  std::set<std::string> names;
+  for (const auto& t : tensors) {
+    if (auto reason = detail::invalid_name_reason(t.name); !reason.empty()) {
+      throw CheckpointError(fmt::format("tensor '{}': {}; rename it", t.name, reason));
+    }
+    if (!names.insert(t.name).second) {
+      throw CheckpointError(fmt::format("tensor '{}' is passed twice to save; pass it once",
+                                        t.name));
+    }
+    const std::size_t ndim = t.global_shape.size();
+    if (t.slice_offset.size() != ndim || t.slice_extent.size() != ndim) {
+      throw CheckpointError(fmt::format(
+          "tensor '{}': slice offset/extent need {} dimensions like the global shape {}", t.name,
+          ndim, detail::shape_string(t.global_shape)));
+    }
+    for (std::size_t d = 0; d < ndim; ++d) {
+      if (t.slice_offset[d] + t.slice_extent[d] > t.global_shape[d]) {
+        throw CheckpointError(fmt::format(
+            "tensor '{}': slice offset {} extent {} exceeds global shape {} in dimension {}",
+            t.name, detail::shape_string(t.slice_offset), detail::shape_string(t.slice_extent),
+            detail::shape_string(t.global_shape), d));
+      }
+    }
+    if (t.placement == Placement::replicated && t.slice_extent != t.global_shape) {
+      throw CheckpointError(fmt::format(
+          "tensor '{}': a replicated tensor must pass its whole shape as slice", t.name));
+    }
+    if (t.data == nullptr && t.slice_bytes() > 0) {
+      throw CheckpointError(fmt::format("tensor '{}': data pointer is null", t.name));
+    }
+  }
+}
+
+// Writes this rank's shard file and returns its report for the vote.
+namespace {
+
+json write_shard(const fs::path& directory, std::uint64_t step, std::span<const TensorView> tensors,
+                 Communicator& comm, const SaveOptions& options, detail::PieceSource source,
+                 std::uint64_t& bytes_written) {
+  detail::validate_tensors(tensors);
+  const int rank = comm.rank();
+  const int world = comm.size();
+  const std::string file_name = detail::shard_file_name(rank, world);
+  const fs::path file_path = directory / file_name;
+  json report = {{"rank", rank}, {"file", file_name}, {"tensors", json::array()}};
+  std::vector<std::byte> gather_buffer;  // replicated pieces that are not contiguous in memory
+  {
+    h5::Lock lock(h5::library_mutex());
+    h5::Handle fapl = h5::file_access(options.alignment, options.alignment_threshold,
+                                      options.file_locking);
+    h5::Handle file = h5::make_file(
+        H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()),
+        fmt::format("create shard file {}", file_path.string()));
+    h5::write_attr_string(file.get(), "format", detail::kFormatName);
+    h5::write_attr_i64(file.get(), "format_version", kFormatVersion);
+    h5::write_attr_i64(file.get(), "step", static_cast<std::int64_t>(step));
+    h5::write_attr_i64(file.get(), "rank", rank);
+    h5::write_attr_i64(file.get(), "world_size", world);
+    h5::Handle lcpl = h5::link_create_intermediate();
+    h5::Handle dcpl = h5::contiguous_no_fill();
+
+    for (const auto& t : tensors) {
+      json entry = {{"name", t.name},
+                    {"dtype", dtype_name(t.dtype)},
+                    {"shape", t.global_shape},
+                    {"placement", placement_name(t.placement)},
+                    {"pieces", json::array()}};
+      const std::size_t element_size = dtype_size(t.dtype);
+      const std::optional<Box> piece = detail::rank_piece(t, rank, world);
+      const std::byte* bytes = piece ? detail::piece_data(t, *piece, gather_buffer, source) : nullptr;
+      if (piece) {
+        const std::uint64_t piece_bytes = element_count(piece->extent) * element_size;
+        const std::uint64_t hash = detail::xxh3(bytes, piece_bytes);
+        h5::Handle type = h5::storage_type(t.dtype);
+        h5::Handle space = h5::dataspace(piece->extent);
+        h5::Handle dataset = h5::make_dataset(
+            H5Dcreate2(file.get(), t.name.c_str(), type.get(), space.get(), lcpl.get(), dcpl.get(),
+                       H5P_DEFAULT),
+            fmt::format("create dataset {} in {}", t.name, file_path.string()));
+        h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes),
+                  fmt::format("write tensor {} to {}", t.name, file_path.string()));
+        h5::write_attr_string(dataset.get(), "dtype", dtype_name(t.dtype));
+        h5::write_attr_u64_array(dataset.get(), "global_shape", t.global_shape,
+                                 {t.global_shape.size()});
+        h5::write_attr_u64_array(dataset.get(), "global_offset", piece->offset,
+                                 {piece->offset.size()});
+        h5::write_attr_u64_array(dataset.get(), "xxh3_64", {hash}, {1});
+        dataset.close_checked(fmt::format("close dataset {} in {}", t.name, file_path.string()));
+        entry["pieces"].push_back({{"offset", piece->offset},
+                                   {"extent", piece->extent},
+                                   {"in_file_offset", Shape(piece->offset.size(), 0)},
+                                   {"xxh3", hash}});
+        bytes_written += piece_bytes;
+      }
+      report["tensors"].push_back(std::move(entry));
+    }
+    file.close_checked(fmt::format("close shard file {}", file_path.string()));
+  }
+  if (options.fsync) detail::fsync_path(file_path, false);
+  report["file_bytes"] = static_cast<std::uint64_t>(fs::file_size(file_path));
+  return report;
+}
+
+// Rank 0: combine the ranks' reports into the manifest, checking that they agree and that
+// every tensor is covered exactly once.
+json merge_reports(const std::vector<json>& reports, std::uint64_t step, int world,
+                   const json& metadata, Layout layout) {
+  json manifest = {{"format", detail::kFormatName},
+                   {"format_version", kFormatVersion},
+                   {"step", step},
+                   {"world_size", world},
+                   {"layout", layout == Layout::shared_file ? "shared-file" : "file-per-rank"},
+                   {"hash_algorithm", detail::kHashAlgorithm},
+                   {"metadata", metadata},
+                   {"files", json::array()},
+                   {"tensors", json::array()}};
+  std::map<std::string, json> tensors;
+  std::set<std::string> files;
+  for (const auto& report : reports) {
+    if (files.insert(report["file"].get<std::string>()).second) {
+      manifest["files"].push_back({{"name", report["file"]}, {"bytes", report["file_bytes"]}});
+    }
+    for (const auto& entry : report["tensors"]) {
+      const std::string name = entry["name"];
+      auto [it, inserted] = tensors.try_emplace(name, json{{"name", name},
+                                                           {"dtype", entry["dtype"]},
+                                                           {"shape", entry["shape"]},
+                                                           {"placement", entry["placement"]},
+                                                           {"shards", json::array()}});
+      json& tensor = it->second;
+      if (tensor["dtype"] != entry["dtype"] || tensor["shape"] != entry["shape"] ||
+          tensor["placement"] != entry["placement"]) {
+        throw CheckpointError(fmt::format(
+            "tensor '{}': rank {} declares {} {} {} but another rank declares {} {} {}; all ranks "
+            "must agree on dtype, global shape and placement",
+            name, report["rank"].get<int>(), entry["dtype"].dump(), entry["shape"].dump(),
+            entry["placement"].dump(), tensor["dtype"].dump(), tensor["shape"].dump(),
+            tensor["placement"].dump()));
+      }
+      for (const auto& piece : entry["pieces"]) {
+        tensor["shards"].push_back({{"file", report["file"]},
+                                    {"rank", report["rank"]},
+                                    {"offset", piece["offset"]},
+                                    {"extent", piece["extent"]},
+                                    {"in_file_offset", piece["in_file_offset"]},
+                                    {"xxh3", piece["xxh3"]}});
+      }
+    }
+  }
+  for (auto& [name, tensor] : tensors) {
+    const Shape shape = tensor["shape"].get<Shape>();
+    std::vector<Box> boxes;
+    std::uint64_t covered = 0;
+    for (const auto& shard : tensor["shards"]) {
+      Box box{shard["offset"].get<Shape>(), shard["extent"].get<Shape>()};
+      for (const auto& other : boxes) {
+        if (detail::intersect(box, other)) {
+          throw CheckpointError(fmt::format(
+              "tensor '{}': slices from different ranks overlap at offset {}; save each element "
+              "from exactly one rank (mark whole copies as replicated)",
+              name, detail::shape_string(box.offset)));
+        }
+      }
+      covered += element_count(box.extent);
+      boxes.push_back(std::move(box));
+    }
+    if (covered != element_count(shape)) {
+      throw CheckpointError(fmt::format(
+          "tensor '{}': the ranks' slices cover {} of {} elements; every element of a sharded "
+          "tensor must be saved by some rank, and a replicated one declared on every rank",
+          name, covered, element_count(shape)));
+    }
+    manifest["tensors"].push_back(std::move(tensor));
+  }
+  return manifest;
+}
+
+void write_string_dataset(hid_t file, const std::string& path, const std::string& text) {
+  h5::Handle type = h5::make_type(H5Tcopy(H5T_C_S1), "copy string type");
+  h5::check(H5Tset_size(type.get(), std::max<std::size_t>(text.size(), 1)), "set string size");
+  h5::check(H5Tset_cset(type.get(), H5T_CSET_UTF8), "set string charset");
+  h5::Handle space = h5::make_space(H5Screate(H5S_SCALAR), "create scalar dataspace");
+  h5::Handle lcpl = h5::link_create_intermediate();
+  h5::Handle dataset = h5::make_dataset(
+      H5Dcreate2(file, path.c_str(), type.get(), space.get(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT),
+      "create " + path);
+  h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.c_str()),
+            "write " + path);
+}
+
+// Rank 0: index.h5 with one virtual dataset per tensor over the shard files (0-d tensors are
+// copied, HDF5 virtual datasets need a simple dataspace).
+void write_index(const fs::path& directory, const json& manifest, const SaveOptions& options) {
+  const fs::path index_path = directory / detail::kIndexFile;
+  h5::Lock lock(h5::library_mutex());
+  h5::Handle fapl = h5::file_access(0, 0, options.file_locking);
+  h5::Handle file = h5::make_file(H5Fcreate(index_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()),
+                                  "create index " + index_path.string());
+  h5::write_attr_string(file.get(), "format", detail::kFormatName);
+  h5::write_attr_i64(file.get(), "format_version", kFormatVersion);
+  h5::write_attr_i64(file.get(), "step", manifest["step"].get<std::int64_t>());
+  h5::write_attr_i64(file.get(), "world_size", manifest["world_size"].get<std::int64_t>());
+  h5::write_attr_string(file.get(), "layout", manifest["layout"].get<std::string>());
+  h5::write_attr_string(file.get(), "hash_algorithm", detail::kHashAlgorithm);
+  h5::write_attr_string(file.get(), "user_metadata", manifest["metadata"].dump());
+  h5::Handle lcpl = h5::link_create_intermediate();
+  const bool shared = manifest["layout"] == "shared-file";
+
+  for (const auto& tensor : manifest["tensors"]) {
+    const std::string name = tensor["name"];
+    const DType dtype = dtype_from_name(tensor["dtype"].get<std::string>());
+    const Shape shape = tensor["shape"].get<Shape>();
+    h5::Handle type = h5::storage_type(dtype);
+    h5::Handle space = h5::dataspace(shape);
+    h5::Handle dataset;
+    if (shape.empty()) {
+      // Copy the scalar from the shard that holds it (already durable on disk).
+      const auto& shard = tensor["shards"].at(0);
+      const fs::path shard_path = directory / shard["file"].get<std::string>();
+      h5::Handle shard_fapl = h5::file_access(0, 0, options.file_locking);
+      h5::Handle shard_file = h5::make_file(
+          H5Fopen(shard_path.c_str(), H5F_ACC_RDONLY, shard_fapl.get()), "open " + shard_path.string());
+      h5::Handle source = h5::make_dataset(H5Dopen2(shard_file.get(), name.c_str(), H5P_DEFAULT),
+                                           "open " + name + " in " + shard_path.string());
+      std::vector<std::byte> value(dtype_size(dtype));
+      h5::check(H5Dread(source.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, value.data()),
+                "read " + name + " from " + shard_path.string());
+      dataset = h5::make_dataset(H5Dcreate2(file.get(), name.c_str(), type.get(), space.get(),
+                                            lcpl.get(), H5P_DEFAULT, H5P_DEFAULT),
+                                 "create index dataset " + name);
+      h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, value.data()),
+                "write index dataset " + name);
+    } else {
+      h5::Handle dcpl = h5::make_plist(H5Pcreate(H5P_DATASET_CREATE), "create dataset list");
+      const std::string source_name = h5::escape_vds_name(name);
+      for (const auto& shard : tensor["shards"]) {
+        const Shape offset = shard["offset"].get<Shape>();
+        const Shape extent = shard["extent"].get<Shape>();
+        const Shape in_file = shard["in_file_offset"].get<Shape>();
+        const std::vector<hsize_t> start(offset.begin(), offset.end());
+        const std::vector<hsize_t> count(extent.begin(), extent.end());
+        const std::vector<hsize_t> source_start(in_file.begin(), in_file.end());
+        h5::Handle virtual_space = h5::make_space(H5Scopy(space.get()), "copy dataspace");
+        h5::check(H5Sselect_hyperslab(virtual_space.get(), H5S_SELECT_SET, start.data(), nullptr,
+                                      count.data(), nullptr),
+                  "select virtual hyperslab of " + name);
+        // Per-rank shards hold exactly the piece; the shared file holds the global tensor.
+        h5::Handle source_space = h5::dataspace(shared ? shape : extent);
+        h5::check(H5Sselect_hyperslab(source_space.get(), H5S_SELECT_SET, source_start.data(),
+                                      nullptr, count.data(), nullptr),
+                  "select source hyperslab of " + name);
+        h5::check(H5Pset_virtual(dcpl.get(), virtual_space.get(),
+                                 shard["file"].get<std::string>().c_str(), source_name.c_str(),
+                                 source_space.get()),
+                  "map " + name + " to " + shard["file"].get<std::string>());
+      }
+      dataset = h5::make_dataset(H5Dcreate2(file.get(), name.c_str(), type.get(), space.get(),
+                                            lcpl.get(), dcpl.get(), H5P_DEFAULT),
+                                 "create virtual dataset " + name);
+    }
+    // Attributes for readers without elastrun code.
+    std::vector<std::int32_t> ranks;
+    std::vector<std::uint64_t> offsets, extents, hashes;
+    for (const auto& shard : tensor["shards"]) {
+      ranks.push_back(shard["rank"].get<std::int32_t>());
+      for (auto v : shard["offset"]) offsets.push_back(v.get<std::uint64_t>());
+      for (auto v : shard["extent"]) extents.push_back(v.get<std::uint64_t>());
+      hashes.push_back(shard["xxh3"].get<std::uint64_t>());
+    }
+    h5::write_attr_string(dataset.get(), "dtype", dtype_name(dtype));
+    h5::write_attr_string(dataset.get(), "placement", tensor["placement"].get<std::string>());
+    h5::write_attr_u64_array(dataset.get(), "global_shape", shape, {shape.size()});
+    h5::write_attr_i32_array(dataset.get(), "shard_ranks", ranks);
+    if (!shape.empty()) {
+      const std::vector<hsize_t> dims = {ranks.size(), shape.size()};
+      h5::write_attr_u64_array(dataset.get(), "shard_offsets", offsets, dims);
+      h5::write_attr_u64_array(dataset.get(), "shard_extents", extents, dims);
+    }
+    h5::write_attr_u64_array(dataset.get(), "shard_xxh3_64", hashes, {hashes.size()});
+    dataset.close_checked("close index dataset " + name);
+  }
+  write_string_dataset(file.get(), std::string(detail::kManifestDataset), manifest.dump());
+  file.close_checked("close index " + index_path.string());
+}
+
+// Rank 0, after every rank voted yes: make the step durable and visible.
+void commit(const fs::path& root, const fs::path& temporary, std::uint64_t step,
+            const std::string& generation, const SaveOptions& options) {
+  const fs::path final_path = root / detail::step_name(step);
+  if (options.fsync) {
+    detail::fsync_path(temporary / detail::kIndexFile, false);
+    detail::fsync_path(temporary, true);
+  }
+  std::error_code ec;
+  if (fs::exists(final_path, ec)) {
+    // Re-saving a step (e.g. after a restart): move the old one aside, removed below.
+    detail::rename_path(final_path, root / (detail::step_name(step) + ".replaced-" + generation));
+  }
+  detail::rename_path(temporary, final_path);
+  if (options.fsync) detail::fsync_path(root, true);
+  const fs::path link_temporary = root / (std::string(detail::kLatestLink) + ".tmp-" + generation);
+  fs::create_symlink(detail::step_name(step), link_temporary, ec);
+  if (ec) {
+    throw CheckpointError(fmt::format("cannot create symlink {}: {}", link_temporary.string(),
+                                      ec.message()));
+  }
+  detail::rename_path(link_temporary, root / detail::kLatestLink);
+  if (options.fsync) detail::fsync_path(root, true);
+}
+
+std::string join_errors(const std::vector<std::string>& votes) {
+  std::vector<std::string> errors;
+  for (std::size_t r = 0; r < votes.size(); ++r) {
+    if (!votes[r].empty() && votes[r][0] == '!') {
+      errors.push_back(fmt::format("rank {}: {}", r, votes[r].substr(1)));
+    }
+  }
+  return fmt::format("{}", fmt::join(errors, "; "));
+}
+
+}  // namespace
+
+fs::path step_directory(const fs::path& root, std::uint64_t step) {
+  return root / detail::step_name(step);
+}
+
+SaveResult save_checkpoint(const fs::path& root, std::uint64_t step,
+                           std::span<const TensorView> tensors, const json& metadata,
+                           Communicator& comm, const SaveOptions& options) {
+  return detail::save_checkpoint_from(root, step, tensors, metadata, comm, options,
+                                      detail::PieceSource::whole_tensor);
+}
+
+SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step,
+                                        std::span<const TensorView> tensors, const json& metadata,
+                                        Communicator& comm, const SaveOptions& options,
+                                        PieceSource source) {
+  const int rank = comm.rank();
+  // Round 1: rank 0 creates the temporary directory and tells everyone its name.
+  std::string proposal;
+  if (rank == 0) {
+    try {
+      fs::create_directories(root);
+      const std::string generation = detail::generation_token();
+      const fs::path temporary = root / (detail::step_name(step) + ".tmp-" + generation);
+      fs::create_directory(temporary);
+      proposal = generation;
+    } catch (const std::exception& e) {
+      proposal = fmt::format("!cannot create checkpoint directory under {}: {}", root.string(),
+                             e.what());
+    }
+  }
+  const std::string generation = comm.allgather(proposal).at(0);
+  if (!generation.empty() && generation[0] == '!') throw CheckpointError(generation.substr(1));
+  const fs::path temporary = root / (detail::step_name(step) + ".tmp-" + generation);
+
+  // Round 2: every rank writes its shard and votes with its report (or its error).
+  SaveResult result;
+  std::string vote;
+  try {
+    const json report =
+        options.layout == Layout::shared_file
+            ? detail::write_shared_file(temporary, step, tensors, comm, options, source,
+                                        result.bytes_written)
+            : write_shard(temporary, step, tensors, comm, options, source, result.bytes_written);
+    vote = report.dump();
+  } catch (const std::exception& e) {
+    vote = std::string("!") + e.what();
+  }
+  const std::vector<std::string> votes = comm.allgather(vote);
+  if (const std::string errors = join_errors(votes); !errors.empty()) {
+    throw CheckpointError(fmt::format("checkpoint step {} not saved (previous one kept): {}", step,
+                                      errors));
+  }
+
+  // Round 3: rank 0 writes the index, commits and reports the outcome.
+  std::string outcome;
+  if (rank == 0) {
+    try {
+      std::vector<json> reports;
+      for (const auto& v : votes) reports.push_back(json::parse(v));
+      const json manifest = merge_reports(reports, step, comm.size(), metadata, options.layout);
+      write_index(temporary, manifest, options);
+      commit(root, temporary, step, generation, options);
+      try {
+        remove_partial_directories(root);
+        apply_retention(root, options.keep_last, options.keep_every);
+      } catch (const std::exception&) {
+        // Housekeeping failures never fail a committed save; the next save retries.
+      }
+    } catch (const std::exception& e) {
+      outcome = std::string("!") + e.what();
+    }
+  }
+  const std::string committed = comm.allgather(outcome).at(0);
+  if (!committed.empty()) {
+    throw CheckpointError(fmt::format("checkpoint step {} not committed (previous one kept): {}",
+                                      step, committed.substr(1)));
+  }
+  result.path = step_directory(root, step);
+  return result;
+}
+
+std::vector<StepEntry> list_steps(const fs::path& root) {
+  std::vector<StepEntry> steps;
+  std::error_code ec;
+  fs::directory_iterator it(root, ec);
+  if (ec) return steps;
+  for (const auto& entry : it) {
+    const std::string name = entry.path().filename().string();
+    if (auto step = detail::parse_step_name(name); step && entry.is_directory(ec)) {
+      steps.push_back({*step, entry.path()});
+    }
+  }
+  std::sort(steps.begin(), steps.end(),
+            [](const StepEntry& a, const StepEntry& b) { return a.step < b.step; });
+  return steps;
+}
+
+void remove_partial_directories(const fs::path& root) {
+  std::error_code ec;
+  fs::directory_iterator it(root, ec);
+  if (ec) return;
+  std::vector<fs::path> stale;
+  for (const auto& entry : it) {
+    const std::string name = entry.path().filename().string();
+    if (detail::is_partial_name(name) ||
+        name.rfind(std::string(detail::kLatestLink) + ".tmp-", 0) == 0) {
+      stale.push_back(entry.path());
+    }
+  }
+  for (const auto& path : stale) fs::remove_all(path, ec);
+}
+
+void apply_retention(const fs::path& root, int keep_last, std::uint64_t keep_every) {
+  if (keep_last <= 0) return;
+  const std::vector<StepEntry> steps = list_steps(root);
+  const std::size_t keep_from =
+      steps.size() > static_cast<std::size_t>(keep_last) ? steps.size() - keep_last : 0;
+  for (std::size_t i = 0; i < keep_from; ++i) {
+    if (keep_every > 0 && steps[i].step % keep_every == 0) continue;
+    // Rename first so a crash mid-removal never leaves a half-deleted "step-N" directory.
+    const fs::path doomed =
+        root / (detail::step_name(steps[i].step) + ".deleting-" + detail::generation_token());
+    detail::rename_path(steps[i].path, doomed);
+    std::error_code ec;
+    fs::remove_all(doomed, ec);
+  }
+}
+
+}  // namespace elastrun::ckpt

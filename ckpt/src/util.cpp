@@ -1,0 +1,176 @@
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <xxhash.h>
+
+#include "elastrun/ckpt/errors.hpp"
+#include "internal.hpp"
+
+namespace elastrun::ckpt::detail {
+
+std::optional<Box> intersect(const Box& a, const Box& b) {
+  Box result;
+  for (std::size_t d = 0; d < a.offset.size(); ++d) {
+    const std::uint64_t begin = std::max(a.offset[d], b.offset[d]);
+    const std::uint64_t end = std::min(a.offset[d] + a.extent[d], b.offset[d] + b.extent[d]);
+    if (end <= begin) return std::nullopt;
+    result.offset.push_back(begin);
+    result.extent.push_back(end - begin);
+  }
+  return result;
+}
+
+void copy_box(const std::byte* src, const Shape& src_shape, const Shape& src_start,
+              std::byte* dst, const Shape& dst_shape, const Shape& dst_start, const Shape& count,
+              std::size_t element_size) {
+  const std::size_t ndim = count.size();
+  if (element_count(count) == 0) return;
+  if (ndim == 0) {
+    std::memcpy(dst, src, element_size);
+    return;
+  }
+  // Merge trailing dimensions that are copied whole in both arrays into one contiguous run.
+  std::size_t run_dims = 1;  // dims [ndim-run_dims, ndim) form the run
+  std::uint64_t run = count[ndim - 1];
+  while (run_dims < ndim) {
+    const std::size_t inner = ndim - run_dims;
+    if (count[inner] != src_shape[inner] || count[inner] != dst_shape[inner]) break;
+    run *= count[inner - 1];
+    ++run_dims;
+  }
+  const std::size_t run_bytes = run * element_size;
+  const std::size_t outer_dims = ndim - run_dims;
+  std::vector<std::uint64_t> src_stride(ndim, 1), dst_stride(ndim, 1);
+  for (std::size_t d = ndim - 1; d > 0; --d) {
+    src_stride[d - 1] = src_stride[d] * src_shape[d];
+    dst_stride[d - 1] = dst_stride[d] * dst_shape[d];
+  }
+  std::vector<std::uint64_t> index(outer_dims, 0);
+  while (true) {
+    std::uint64_t src_elem = 0, dst_elem = 0;
+    for (std::size_t d = 0; d < ndim; ++d) {
+      const std::uint64_t i = d < outer_dims ? index[d] : 0;
+      src_elem += (src_start[d] + i) * src_stride[d];
+      dst_elem += (dst_start[d] + i) * dst_stride[d];
+    }
+    std::memcpy(dst + dst_elem * element_size, src + src_elem * element_size, run_bytes);
+    std::size_t d = outer_dims;
+    while (d > 0) {
+      --d;
+      if (++index[d] < count[d]) break;
+      index[d] = 0;
+      if (d == 0) return;
+    }
+    if (outer_dims == 0) return;
+  }
+}
+
+std::optional<Box> replicated_piece(const Shape& shape, int rank, int world_size) {
+  if (shape.empty()) {
+    if (rank != 0) return std::nullopt;
+    return Box{};
+  }
+  if (element_count(shape) == 0) return std::nullopt;
+  std::size_t dim = 0;
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] >= static_cast<std::uint64_t>(world_size)) {
+      dim = d;
+      break;
+    }
+  }
+  const std::uint64_t n = shape[dim];
+  const auto world = static_cast<std::uint64_t>(world_size);
+  const auto r = static_cast<std::uint64_t>(rank);
+  const std::uint64_t base = n / world;
+  const std::uint64_t remainder = n % world;
+  const std::uint64_t length = base + (r < remainder ? 1 : 0);
+  if (length == 0) return std::nullopt;
+  Box box{Shape(shape.size(), 0), shape};
+  box.offset[dim] = r * base + std::min(r, remainder);
+  box.extent[dim] = length;
+  return box;
+}
+
+std::uint64_t xxh3(const void* data, std::size_t size) { return XXH3_64bits(data, size); }
+
+std::string hex64(std::uint64_t value) { return fmt::format("{:016x}", value); }
+
+std::string step_name(std::uint64_t step) { return fmt::format("step-{:09d}", step); }
+
+std::optional<std::uint64_t> parse_step_name(std::string_view name) {
+  constexpr std::string_view prefix = "step-";
+  if (name.size() <= prefix.size() || name.substr(0, prefix.size()) != prefix) return std::nullopt;
+  const std::string_view digits = name.substr(prefix.size());
+  if (digits.size() > 19) return std::nullopt;
+  std::uint64_t value = 0;
+  for (char c : digits) {
+    if (c < '0' || c > '9') return std::nullopt;
+    value = value * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  return value;
+}
+
+bool is_partial_name(std::string_view name) {
+  const auto dot = name.find('.');
+  return dot != std::string_view::npos && parse_step_name(name.substr(0, dot)).has_value();
+}
+
+std::string shard_file_name(int rank, int world_size) {
+  return fmt::format("shard-{:05d}-of-{:05d}.h5", rank, world_size);
+}
+
+std::string generation_token() {
+  std::random_device device;
+  std::uint64_t value = (static_cast<std::uint64_t>(device()) << 32) ^ device();
+  value ^= static_cast<std::uint64_t>(::getpid()) << 16;
+  return fmt::format("{:016x}", value);
+}
+
+void fsync_path(const std::filesystem::path& path, bool directory) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (directory ? O_DIRECTORY : 0));
+  if (fd < 0) {
+    throw CheckpointError(fmt::format("cannot open {} for fsync: {}", path.string(),
+                                      std::strerror(errno)));
+  }
+  const int status = ::fsync(fd);
+  const int saved_errno = errno;
+  ::close(fd);
+  if (status != 0) {
+    throw CheckpointError(fmt::format("fsync {} failed: {} (data may not be durable)",
+                                      path.string(), std::strerror(saved_errno)));
+  }
+}
+
+void rename_path(const std::filesystem::path& from, const std::filesystem::path& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) {
+    throw CheckpointError(fmt::format("rename {} -> {} failed: {}", from.string(), to.string(),
+                                      std::strerror(errno)));
+  }
+}
+
+std::string invalid_name_reason(std::string_view name) {
+  if (name.empty()) return "empty tensor name";
+  if (name.front() == '/' || name.back() == '/') return "name must not start or end with '/'";
+  std::size_t start = 0;
+  bool first = true;
+  while (start <= name.size()) {
+    const auto end = std::min(name.find('/', start), name.size());
+    const std::string_view part = name.substr(start, end - start);
+    if (part.empty()) return "empty path component";
+    if (part == "." || part == "..") return "'.' and '..' components are not allowed";
+    if (first && part == kReservedGroup) return "the top-level group _elastrun is reserved";
+    first = false;
+    start = end + 1;
+  }
+  return {};
+}
+
+std::string shape_string(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+}  // namespace elastrun::ckpt::detail
