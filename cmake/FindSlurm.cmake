@@ -8,8 +8,10 @@ if(SLURM_INCLUDE_DIR AND EXISTS "${SLURM_INCLUDE_DIR}/slurm/slurm_version.h")
   string(REGEX REPLACE ".*\"([0-9.]+)\".*" "\\1" SLURM_VERSION "${_slurm_ver}")
 endif()
 # Plugin dir: where the installed plugins live (e.g. .../slurm-wlm); found from a known plugin.
+# The plugins live next to libslurm (Debian: /usr/lib/<arch>/slurm-wlm).
+get_filename_component(_slurm_libdir "${SLURM_LIBRARY}" DIRECTORY)
 find_path(SLURM_PLUGIN_DIR NAMES proctrack_linuxproc.so auth_munge.so
-          PATH_SUFFIXES slurm-wlm slurm)
+          HINTS "${_slurm_libdir}" PATH_SUFFIXES slurm-wlm slurm NO_DEFAULT_PATH)
 include(FindPackageHandleStandardArgs)
 find_package_handle_standard_args(Slurm REQUIRED_VARS SLURM_LIBRARY SLURM_INCLUDE_DIR
                                   VERSION_VAR SLURM_VERSION)
