@@ -226,7 +226,7 @@ const RoundResult& Rendezvous::next_round() {
       if (e.status() == protocol::Status::NoSuchLease) {
         // Our lease died while we were not looking: we are fenced; rejoin as a new member.
         fenced_ = true;
-      } else if (e.status() == protocol::Status::ConnectionLost && connector_ && round_.generation > 0) {
+      } else if (e.status() == protocol::Status::ConnectionLost && connector_ && !standbys_.empty()) {
         spdlog::warn("[rdzv] {}", e.what());
         store_lost_ = true;
       } else {
@@ -335,14 +335,18 @@ void Rendezvous::wait_as_late_joiner(std::uint64_t gen) {
   const auto waiting = prefix_ + "waiting/" + my_key_;
   kv_->set(waiting, member_line(me_), lease_);
   spdlog::info("[rdzv] round {} is running without this node; waiting for the next round", gen);
+  // The running round's members are our failover candidates should the store's host die.
+  if (auto roster = kv_->get(fmt::format("{}r/{}/ctl/roster", prefix_, gen))) {
+    standbys_.clear();
+    for_each_line(roster->value, [&](std::string_view line) { standbys_.push_back(member_from(line)); });
+  }
   std::uint64_t rev = 0;
-  while (!fenced_) {
+  kv_->get_prefix(prefix_ + "gen", &rev);
+  while (!fenced_ && !store_lost_) {
     auto gen_kv = kv_->get(prefix_ + "gen");
     if (!gen_kv || to_i64(gen_kv->value).value_or(0) != static_cast<std::int64_t>(gen)) break;
     if (kv_->get(prefix_ + "closed")) break;
-    rev = std::max(rev, gen_kv->revision);
-    kv_->watch(prefix_ + "gen", rev, Millis(1000));
-    kv_->watch(prefix_ + "closed", rev, Millis(1));
+    kv_->watch(prefix_, rev, Millis(1000), &rev);  // any change: look at gen and closed again
   }
   kv_->remove(waiting);
 }
@@ -369,6 +373,7 @@ RoundResult Rendezvous::finish_round(std::uint64_t gen, const std::string& roste
     r.world_size += m.nproc;
     if (m.role == me_.role) r.role_world_size += m.nproc;
   }
+  standbys_ = r.members;
   r.master_addr = r.members.front().address;
   r.master_port = r.members.front().master_port;
   // Changes after the roster concern the running round.
@@ -387,7 +392,7 @@ void Rendezvous::fail_over() {
   const auto deadline = Clock::now() + std::max(config_.heartbeat_timeout * 4, Millis(10000));
   std::string last_error = "no member of the last round runs a standby store";
   while (Clock::now() < deadline) {
-    for (const auto& m : round_.members) {
+    for (const auto& m : standbys_) {
       if (m.store_port == 0) continue;
       try {
         auto kv = connector_(m.address, m.store_port);
