@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# `cmake --install` (into a DESTDIR, touching nothing on this machine) and `cpack -G DEB` put the
+# binaries, the SPANK plugin in Slurm's plugin dir and the plugstack.conf.d snippet in place.
+# Usage: test_package.sh BUILD_DIR SLURM_PLUGIN_DIR
+set -euo pipefail
+build=$1
+plugin_dir=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+DESTDIR="$tmp/root" cmake --install "$build" >"$tmp/install.log" 2>&1 || { cat "$tmp/install.log"; fail "cmake --install failed"; }
+for f in bin/elastrun bin/elastrun-ckpt; do
+  found=$(find "$tmp/root" -path "*/$f" -type f | head -1)
+  [[ -n $found && -x $found ]] || fail "cmake --install did not install $f"
+done
+[[ -f "$tmp/root$plugin_dir/spank_elastrun.so" ]] || fail "plugin not installed into $plugin_dir"
+snippet=$(find "$tmp/root" -path '*plugstack.conf.d/elastrun.conf' | head -1)
+[[ -n $snippet ]] || fail "no plugstack.conf.d/elastrun.conf installed"
+grep -Eq '^optional[[:space:]]+.*spank_elastrun\.so' "$snippet" || fail "snippet is not an 'optional' plugin line: $(cat "$snippet")"
+
+(cd "$build" && cpack -G DEB -B "$tmp/deb" >"$tmp/cpack.log" 2>&1) || { tail -20 "$tmp/cpack.log"; fail "cpack -G DEB failed"; }
+deb=$(ls "$tmp"/deb/*.deb 2>/dev/null | head -1)
+[[ -n $deb ]] || fail "cpack produced no .deb"
+contents=$(dpkg-deb -c "$deb")
+for f in /bin/elastrun /bin/elastrun-ckpt "$plugin_dir/spank_elastrun.so" plugstack.conf.d/elastrun.conf; do
+  grep -q -- "$f\$" <<<"$contents" || fail ".deb lacks $f"
+done
+dpkg-deb -f "$deb" Depends | grep -q libslurm || fail ".deb does not depend on libslurm"
+echo "ok: $(basename "$deb") with $(grep -c . <<<"$contents") entries"
