@@ -327,7 +327,7 @@ std::vector<WatchEvent> EtcdKv::watch(std::string_view prefix, std::uint64_t aft
   return events;
 }
 
-std::uint64_t EtcdKv::grant_lease(Millis ttl) {
+std::uint64_t EtcdKv::grant_lease(Millis ttl, std::string_view /*holder: etcd has no use for it*/) {
   auto seconds = std::max<long long>(1, (ttl.count() + 999) / 1000);
   auto r = impl_->post("/v3/lease/grant", {{"TTL", std::to_string(seconds)}});
   return u64_of(r, "ID");

@@ -216,6 +216,7 @@ Request decode_request(const Frame& frame) {
     case Op::LeaseGrant:
       r.timeout_ms = in.u32();
       if (r.timeout_ms == 0) throw ProtocolError("lease with a zero time-to-live");
+      r.value = in.str(256);  // the holder's node name (for Slurm confirmation), may be empty
       break;
     case Op::LeaseKeepAlive:
     case Op::LeaseRevoke:
@@ -247,7 +248,7 @@ std::string encode_request(const Request& r) {
       w.u32(r.timeout_ms);
       break;
     case Op::Watch: w.str(r.key).u64(r.revision).u32(r.timeout_ms); break;
-    case Op::LeaseGrant: w.u32(r.timeout_ms); break;
+    case Op::LeaseGrant: w.u32(r.timeout_ms).str(r.value); break;
     case Op::LeaseKeepAlive:
     case Op::LeaseRevoke: w.u64(r.lease); break;
     case Op::Ping: break;

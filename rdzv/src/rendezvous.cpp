@@ -186,7 +186,7 @@ void Rendezvous::heartbeat_loop() {
 void Rendezvous::ensure_alive() {
   std::lock_guard lock(heartbeat_mutex_);
   if (lease_ && !fenced_) return;
-  lease_ = heartbeat_kv_->grant_lease(config_.heartbeat_timeout);
+  lease_ = heartbeat_kv_->grant_lease(config_.heartbeat_timeout, me_.node_name);
   fenced_ = false;
   kv_->set(prefix_ + "alive/" + my_key_, member_line(me_), lease_);
 }

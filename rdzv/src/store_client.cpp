@@ -230,9 +230,10 @@ std::vector<WatchEvent> StoreClient::watch(std::string_view prefix, std::uint64_
   return events;
 }
 
-std::uint64_t StoreClient::grant_lease(Millis ttl) {
+std::uint64_t StoreClient::grant_lease(Millis ttl, std::string_view holder) {
   Request r;
   r.op = Op::LeaseGrant;
+  r.value = std::string(holder.substr(0, 256));
   r.timeout_ms = static_cast<std::uint32_t>(std::max<long long>(1, ttl.count()));
   return BodyReader(impl_->call(r).body).u64();
 }

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <charconv>
 #include <deque>
+#include <future>
 #include <map>
 #include <mutex>
 #include <set>
@@ -54,6 +55,9 @@ struct Lease {
   Clock::time_point deadline;
   std::uint64_t owner = 0;  // connection id
   std::set<std::string> keys;
+  std::string holder;                                  // node name, for Slurm confirmation
+  std::optional<std::future<std::optional<bool>>> confirming;  // asking whether the node is down
+  bool graced = false;                                 // one grace period already given
 };
 
 struct Parked {  // a Wait or Watch waiting for a change or its deadline
@@ -149,7 +153,8 @@ struct StoreServer::Impl {
 
   int next_timeout_ms() const {
     auto next = Clock::now() + Millis(1000);
-    for (const auto& [id, lease] : leases) next = std::min(next, lease.deadline);
+    for (const auto& [id, lease] : leases)
+      next = std::min(next, lease.confirming ? Clock::now() + Millis(20) : lease.deadline);
     for (const auto& p : parked) next = std::min(next, p.deadline);
     auto ms = std::chrono::ceil<Millis>(next - Clock::now()).count();
     return static_cast<int>(std::clamp<long long>(ms, 0, 1000));
@@ -307,9 +312,11 @@ struct StoreServer::Impl {
       case Op::Watch: return op_watch(id, req);
       case Op::LeaseGrant: {
         auto lease_id = next_lease++;
-        leases[lease_id] = Lease{.ttl = Millis(req.timeout_ms),
-                                 .deadline = Clock::now() + Millis(req.timeout_ms),
-                                 .owner = id, .keys = {}};
+        auto& lease = leases[lease_id];
+        lease.ttl = Millis(req.timeout_ms);
+        lease.deadline = Clock::now() + lease.ttl;
+        lease.owner = id;
+        lease.holder = req.value;
         c.owned_leases.insert(lease_id);
         return queue(id, req, Status::Ok, BodyWriter().u64(lease_id).bytes());
       }
@@ -317,6 +324,7 @@ struct StoreServer::Impl {
         auto it = leases.find(req.lease);
         if (it == leases.end()) return queue(id, req, Status::NoSuchLease);
         it->second.deadline = Clock::now() + it->second.ttl;
+        it->second.graced = false;
         return queue(id, req, Status::Ok);
       }
       case Op::LeaseRevoke:
@@ -529,8 +537,24 @@ struct StoreServer::Impl {
 
   void expire(Clock::time_point now) {
     std::vector<std::uint64_t> dead;
-    for (const auto& [id, lease] : leases)
+    for (auto& [id, lease] : leases) {
+      if (lease.confirming) {
+        if (lease.confirming->wait_for(Millis(0)) != std::future_status::ready) continue;
+        auto down = lease.confirming->get();
+        lease.confirming.reset();
+        if (down == std::optional<bool>(false) && lease.deadline <= now) {
+          spdlog::warn("[store] {} missed its keep-alives but Slurm reports the node up: one more "
+                       "heartbeat timeout of grace", lease.holder);
+          lease.graced = true;
+          lease.deadline = now + lease.ttl;
+          continue;
+        }
+      } else if (lease.deadline <= now && options.holder_is_down && !lease.holder.empty() && !lease.graced) {
+        lease.confirming = std::async(std::launch::async, options.holder_is_down, lease.holder);
+        continue;
+      }
       if (lease.deadline <= now) dead.push_back(id);
+    }
     for (auto id : dead) revoke(id, "missed its keep-alives");
     std::vector<Parked> timed_out;
     std::erase_if(parked, [&](const Parked& p) {

@@ -17,6 +17,7 @@
 #include "elastrun/rdzv/env.hpp"
 #include "elastrun/rdzv/hostlist.hpp"
 #include "elastrun/rdzv/rendezvous.hpp"
+#include "elastrun/rdzv/slurm_api.hpp"
 #include "elastrun/rdzv/store.hpp"
 
 using namespace elastrun::rdzv;
@@ -45,6 +46,8 @@ int main(int argc, char** argv) {
   app.add_option("--last-call-ms", last_call_ms);
   app.add_option("--join-timeout-ms", join_timeout_ms);
   app.add_option("--auth", auth, "munge|token|none|auto");
+  bool confirm_slurm = false;
+  app.add_flag("--confirm-slurm", confirm_slurm, "ask Slurm before declaring a silent node dead");
   CLI11_PARSE(app, argc, argv);
   spdlog::set_default_logger(spdlog::stderr_color_st("rdzv_member"));  // stdout carries JSON
   spdlog::set_pattern(fmt::format("[node {}] %v", node.empty() ? "?" : node));
@@ -77,6 +80,7 @@ int main(int argc, char** argv) {
       options.fallback_ports = plan.fallback_ports;
       options.run_id = plan.run_id;
       options.auth = auth_config;
+      if (confirm_slurm) options.holder_is_down = slurm_node_is_down;
       server = std::make_unique<StoreServer>(options);
       emit({{"event", "store"}, {"port", server->port()}, {"node", plan.me.node_name}});
     }
@@ -87,6 +91,7 @@ int main(int argc, char** argv) {
       StoreServerOptions options;
       options.run_id = plan.run_id;
       options.auth = auth_config;
+      if (confirm_slurm) options.holder_is_down = slurm_node_is_down;
       standby = std::make_unique<StoreServer>(options);
     }
     plan.me.store_port = server ? server->port() : standby->port();

@@ -4,6 +4,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -202,6 +204,62 @@ TEST(Store, KeepAliveHoldsALease) {
   EXPECT_TRUE(member.get("alive"));
   member.revoke_lease(lease);
   EXPECT_FALSE(member.get("alive"));
+}
+
+// Optional Slurm confirmation: a silent holder whose node Slurm reports up gets one grace period;
+// one reported down (or unknown) loses its lease at the first missed deadline.
+struct Confirmation {
+  std::atomic<int> calls{0};
+  std::optional<bool> answer;
+  std::string last_holder;
+  std::mutex m;
+};
+
+StoreServerOptions confirming_options(std::shared_ptr<Confirmation> c) {
+  auto o = local_options();
+  o.holder_is_down = [c](const std::string& holder) {
+    {
+      std::lock_guard lock(c->m);
+      c->last_holder = holder;
+    }
+    ++c->calls;
+    return c->answer;
+  };
+  return o;
+}
+
+TEST(Store, SlurmConfirmedUpNodeGetsOneGracePeriod) {
+  auto c = std::make_shared<Confirmation>();
+  c->answer = false;  // Slurm: node is up
+  StoreServer server(confirming_options(c));
+  auto member = connect(server);
+  auto lease = member.grant_lease(1000ms, "n7");
+  member.set("alive/n7", "x", lease);
+  ASSERT_TRUE(eventually([&] { return c->calls.load() == 1; }, 20s)) << "Slurm was never asked";
+  EXPECT_TRUE(member.get("alive/n7")) << "deleted although Slurm reports the node up";
+  {
+    std::lock_guard lock(c->m);
+    EXPECT_EQ(c->last_holder, "n7");
+  }
+  // Still silent after the grace period: the lease ends without asking again.
+  EXPECT_TRUE(eventually([&] { return !member.get("alive/n7"); }, 20s));
+  EXPECT_EQ(c->calls.load(), 1);
+  EXPECT_FALSE(member.keep_alive(lease));
+}
+
+TEST(Store, SlurmConfirmedDownOrUnknownEndsTheLeaseAtOnce) {
+  for (std::optional<bool> answer : {std::optional<bool>(true), std::optional<bool>()}) {
+    auto c = std::make_shared<Confirmation>();
+    c->answer = answer;
+    StoreServer server(confirming_options(c));
+    auto member = connect(server);
+    auto lease = member.grant_lease(300ms, "n8");
+    auto rev = member.set("alive/n8", "x", lease);
+    auto events = member.watch("alive/", rev, 20s);
+    ASSERT_EQ(events.size(), 1u);
+    EXPECT_EQ(events[0].type, WatchEvent::Type::Delete);
+    EXPECT_EQ(c->calls.load(), 1);
+  }
 }
 
 TEST(Store, WrongTokenIsRefusedAndChangesNothing) {

@@ -30,7 +30,7 @@ class EtcdKv final : public KvBackend {
   std::vector<KeyValue> get_prefix(std::string_view prefix, std::uint64_t* revision = nullptr) override;
   std::vector<WatchEvent> watch(std::string_view prefix, std::uint64_t after_revision, Millis timeout,
                                 std::uint64_t* revision = nullptr) override;
-  std::uint64_t grant_lease(Millis ttl) override;
+  std::uint64_t grant_lease(Millis ttl, std::string_view holder = {}) override;
   bool keep_alive(std::uint64_t lease) override;
   void revoke_lease(std::uint64_t lease) override;
 

@@ -46,7 +46,8 @@ class KvBackend {
                                         Millis timeout, std::uint64_t* revision = nullptr) = 0;
   // A lease dies after `ttl` without keep-alive (and, on the embedded store, with the
   // connection that holds it); its keys are deleted and writes under it are refused.
-  virtual std::uint64_t grant_lease(Millis ttl) = 0;
+  // `holder` names the node holding the lease (lets the store confirm a silent holder with Slurm).
+  virtual std::uint64_t grant_lease(Millis ttl, std::string_view holder = {}) = 0;
   virtual bool keep_alive(std::uint64_t lease) = 0;
   virtual void revoke_lease(std::uint64_t lease) = 0;
 };

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -44,6 +45,11 @@ struct StoreServerOptions {
   std::size_t max_store_bytes = 256u << 20;
   std::size_t watch_history = 1u << 16;  // events kept for watchers that fall behind
   std::size_t max_pending_output = 64u << 20;  // per connection; a client that stops reading is cut
+  // Optional Slurm confirmation of silent members: when a lease misses its keep-alives, ask
+  // whether its holder's node is down (e.g. slurm_node_is_down). `false` (Slurm sees the node
+  // up) grants one more time-to-live of grace before the lease dies; `true` or unknown ends it
+  // at once. Runs on a separate thread: a slow slurmctld never stalls the store.
+  std::function<std::optional<bool>(const std::string& holder)> holder_is_down;
 };
 
 class StoreServer {
@@ -96,7 +102,7 @@ class StoreClient final : public KvBackend {
   // Status::Compacted when the server no longer has that history (re-read with get_prefix).
   std::vector<WatchEvent> watch(std::string_view prefix, std::uint64_t after_revision,
                                 Millis timeout, std::uint64_t* revision = nullptr) override;
-  std::uint64_t grant_lease(Millis ttl) override;  // dies with this connection or after ttl without keep-alive
+  std::uint64_t grant_lease(Millis ttl, std::string_view holder = {}) override;  // dies with this connection or after ttl without keep-alive
   bool keep_alive(std::uint64_t lease) override;   // false: the lease is gone (we were declared dead)
   void revoke_lease(std::uint64_t lease) override;
   std::uint64_t ping();  // the store's revision

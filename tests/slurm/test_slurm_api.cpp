@@ -1,0 +1,18 @@
+// libslurm queries used by the rendezvous, against the shared testbed (SLURM_CONF from ctest).
+#include <gtest/gtest.h>
+
+#include "elastrun/rdzv/slurm_api.hpp"
+
+using namespace elastrun::rdzv;
+
+TEST(SlurmApi, NodeNamesThatDoNotResolveUseSlurmsNodeAddr) {
+  // Testbed nodes are named n1..n4 (not in DNS) with NodeAddr=127.0.0.1.
+  EXPECT_EQ(resolve_node_address("n1"), "127.0.0.1");
+  EXPECT_EQ(resolve_node_address("localhost"), "localhost") << "a resolvable name is kept";
+  EXPECT_FALSE(resolve_node_address("no-such-node-anywhere"));
+}
+
+TEST(SlurmApi, NodeStateConfirmation) {
+  EXPECT_EQ(slurm_node_is_down("n2"), std::optional<bool>(false)) << "n2 is up on the shared testbed";
+  EXPECT_FALSE(slurm_node_is_down("no-such-node-anywhere").has_value());
+}
