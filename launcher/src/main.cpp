@@ -1,23 +1,17 @@
-// elastrun: the elastic agent. Verbs that are not programs to launch come first on the line.
+// elastrun: the elastic agent. Verbs that are not programs to launch come first on the line:
+//   elastrun env [--json]      the detected environment
+//   elastrun --version
+//   elastrun [torchrun flags] PROGRAM [ARGS...]   the agent (agent.hpp)
 #include <fmt/format.h>
 
-#include <cstring>
 #include <string_view>
 
+#include "agent.hpp"
 #include "env_command.hpp"
 
 #ifndef ELASTRUN_VERSION
 #define ELASTRUN_VERSION "unknown"
 #endif
-
-namespace {
-
-constexpr std::string_view kUsage =
-    "usage: elastrun env [--json]          print the detected Slurm/MPI/torch environment\n"
-    "       elastrun --version\n"
-    "(the elastic agent, `elastrun [torchrun flags] prog args`, is not part of this build yet)\n";
-
-}  // namespace
 
 int main(int argc, char** argv) {
   if (argc >= 2) {
@@ -27,11 +21,6 @@ int main(int argc, char** argv) {
       fmt::print("elastrun {}\n", ELASTRUN_VERSION);
       return 0;
     }
-    if (verb == "--help" || verb == "-h") {
-      fmt::print("{}", kUsage);
-      return 0;
-    }
   }
-  fmt::print(stderr, "elastrun: error: unknown command line; run 'elastrun --help'\n{}", kUsage);
-  return 2;
+  return elastrun::launcher::run_agent(argc, argv);
 }

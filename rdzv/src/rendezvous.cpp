@@ -226,7 +226,7 @@ const RoundResult& Rendezvous::next_round() {
       if (e.status() == protocol::Status::NoSuchLease) {
         // Our lease died while we were not looking: we are fenced; rejoin as a new member.
         fenced_ = true;
-      } else if (e.status() == protocol::Status::ConnectionLost && connector_ && !standbys_.empty()) {
+      } else if (e.status() == protocol::Status::ConnectionLost && connector_ && (!round_.members.empty() || !standbys_.empty())) {
         spdlog::warn("[rdzv] {}", e.what());
         store_lost_ = true;
       } else {
@@ -373,7 +373,6 @@ RoundResult Rendezvous::finish_round(std::uint64_t gen, const std::string& roste
     r.world_size += m.nproc;
     if (m.role == me_.role) r.role_world_size += m.nproc;
   }
-  standbys_ = r.members;
   r.master_addr = r.members.front().address;
   r.master_port = r.members.front().master_port;
   // Changes after the roster concern the running round.
@@ -392,7 +391,8 @@ void Rendezvous::fail_over() {
   const auto deadline = Clock::now() + std::max(config_.heartbeat_timeout * 4, Millis(10000));
   std::string last_error = "no member of the last round runs a standby store";
   while (Clock::now() < deadline) {
-    for (const auto& m : standbys_) {
+    // The last round's members, or (in the wait list) those of the round we waited for.
+    for (const auto& m : round_.members.empty() ? standbys_ : round_.members) {
       if (m.store_port == 0) continue;
       try {
         auto kv = connector_(m.address, m.store_port);

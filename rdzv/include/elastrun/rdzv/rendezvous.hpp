@@ -142,7 +142,7 @@ class Rendezvous {
   std::condition_variable stop_cv_;
   std::thread heartbeat_;
   RoundResult round_;
-  std::vector<MemberInfo> standbys_;  // members whose standby stores we fail over to
+  std::vector<MemberInfo> standbys_;  // wait list: the running round's members, for failover
   std::uint64_t watch_revision_ = 0;
 };
 
