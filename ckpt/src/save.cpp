@@ -446,7 +446,7 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
       commit(root, temporary, step, generation, options);
       try {
         remove_partial_directories(root);
-        apply_retention(root, options.keep_last, options.keep_every);
+        apply_retention(root, step, options.keep_last, options.keep_every);
       } catch (const std::exception&) {
         // Housekeeping failures never fail a committed save; the next save retries.
       }
@@ -494,17 +494,31 @@ void remove_partial_directories(const fs::path& root) {
   for (const auto& path : stale) fs::remove_all(path, ec);
 }
 
-void apply_retention(const fs::path& root, int keep_last, std::uint64_t keep_every) {
+void apply_retention(const fs::path& root, std::uint64_t committed, int keep_last,
+                     std::uint64_t keep_every) {
+  std::vector<StepEntry> older;
+  for (const auto& entry : list_steps(root)) {
+    if (entry.step > committed) {
+      // A step numbered above the one just committed belongs to an abandoned timeline (the run
+      // restarted from an older step). Restore picks the highest step, so it is set aside —
+      // never deleted automatically: it may be the only copy of someone's data.
+      const fs::path aside =
+          root / ("abandoned-" + detail::step_name(entry.step) + "-" + detail::generation_token());
+      detail::rename_path(entry.path, aside);
+    } else if (entry.step < committed) {
+      older.push_back(entry);
+    }
+  }
   if (keep_last <= 0) return;
-  const std::vector<StepEntry> steps = list_steps(root);
-  const std::size_t keep_from =
-      steps.size() > static_cast<std::size_t>(keep_last) ? steps.size() - keep_last : 0;
-  for (std::size_t i = 0; i < keep_from; ++i) {
-    if (keep_every > 0 && steps[i].step % keep_every == 0) continue;
+  // The step just committed counts as one of the K kept, and is never a candidate for removal.
+  const std::size_t keep_older = static_cast<std::size_t>(keep_last - 1);
+  const std::size_t remove_count = older.size() > keep_older ? older.size() - keep_older : 0;
+  for (std::size_t i = 0; i < remove_count; ++i) {
+    if (keep_every > 0 && older[i].step % keep_every == 0) continue;
     // Rename first so a crash mid-removal never leaves a half-deleted "step-N" directory.
     const fs::path doomed =
-        root / (detail::step_name(steps[i].step) + ".deleting-" + detail::generation_token());
-    detail::rename_path(steps[i].path, doomed);
+        root / (detail::step_name(older[i].step) + ".deleting-" + detail::generation_token());
+    detail::rename_path(older[i].path, doomed);
     std::error_code ec;
     fs::remove_all(doomed, ec);
   }

@@ -286,6 +286,34 @@ TEST(CkptCommit, RetentionKeepsLastKAndEveryM) {
   EXPECT_EQ(fs::read_symlink(dir.path() / "latest"), "step-000000010");
 }
 
+TEST(CkptCommit, SavingAnOlderStepKeepsItAndSetsNewerStepsAside) {
+  // Training resumed from step 2 (say 3 was bad) and saves step 2 again with keep_last=1:
+  // the new step must survive retention, and the abandoned step 3 must not win a restore.
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  std::vector<std::int32_t> values = {1, 2, 3};
+  SaveOptions options;
+  options.fsync = false;
+  auto view = TensorView::replicated("v", DType::int32, {3}, values.data());
+  for (std::uint64_t step = 1; step <= 3; ++step) save_checkpoint(dir.path(), step, std::span(&view, 1), {}, comm, options);
+  options.keep_last = 1;
+  values = {7, 7, 7};
+  save_checkpoint(dir.path(), 2, std::span(&view, 1), {}, comm, options);
+  std::vector<std::uint64_t> steps;
+  for (const auto& e : list_steps(dir.path())) steps.push_back(e.step);
+  EXPECT_EQ(steps, (std::vector<std::uint64_t>{2}));
+  bool set_aside = false;
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    set_aside = set_aside || e.path().filename().string().starts_with("abandoned-step-000000003-");
+  EXPECT_TRUE(set_aside) << "step 3 was deleted instead of set aside";
+  std::vector<std::int32_t> out(3);
+  auto target = TensorTarget::whole("v", DType::int32, {3}, out.data());
+  auto restored = restore_latest(dir.path(), std::span(&target, 1), comm);
+  ASSERT_TRUE(restored);
+  EXPECT_EQ(restored->step, 2U);
+  EXPECT_EQ(out, values);
+}
+
 TEST(CkptCommit, ResavingAStepReplacesIt) {
   TempDir dir;
   SingleProcessCommunicator comm;

@@ -136,9 +136,12 @@ std::optional<RestoreResult> restore_latest(const std::filesystem::path& root,
                                             std::span<const TensorTarget> targets,
                                             Communicator& comm, const RestoreOptions& options = {});
 
-// Rank-0 housekeeping (save_checkpoint calls it): removes partial .tmp-* directories and steps
-// beyond the retention policy. Never removes the newest committed step.
-void apply_retention(const std::filesystem::path& root, int keep_last, std::uint64_t keep_every);
+// Rank-0 housekeeping (save_checkpoint calls it after committing `committed`): sets steps
+// numbered above `committed` aside as abandoned-step-<n>-<gen> (a restart from an older step
+// abandoned them; restore would otherwise prefer them) and removes older steps beyond the
+// retention policy. Never removes `committed`.
+void apply_retention(const std::filesystem::path& root, std::uint64_t committed, int keep_last,
+                     std::uint64_t keep_every);
 void remove_partial_directories(const std::filesystem::path& root);
 
 }  // namespace elastrun::ckpt
