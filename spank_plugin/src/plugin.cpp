@@ -125,6 +125,9 @@ int init(spank_t sp, int argc, char** argv) {
     state().site = parse_site_args(args);
   } catch (const OptionError& e) {
     log_error("{}; the plugin is disabled until plugstack.conf is fixed", e.what());
+    // slurmd loads the plugin stack at start: failing there (with a `required` line) would keep
+    // slurmd from starting on every node for a typo. srun and slurmstepd still refuse the job.
+    if (ctx == S_CTX_SLURMD || ctx == S_CTX_JOB_SCRIPT) return 0;
     return -1;
   }
   state().torch_env = state().site.torch_env;
