@@ -1,5 +1,7 @@
 #include "elastrun/ckpt/async_saver.hpp"
 
+#include <fmt/format.h>
+
 #include <cstring>
 
 #include "writers.hpp"
@@ -55,21 +57,28 @@ void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
     changed_.notify_all();
     return;
   }
-  for (const auto& tensor : tensors) {
-    // Only the bytes this rank will write: its slice, or its piece of a replicated tensor.
-    const std::optional<detail::Box> piece = detail::rank_piece(tensor, comm_.rank(), comm_.size());
-    const std::size_t bytes = piece ? element_count(piece->extent) * dtype_size(tensor.dtype) : 0;
-    Staging& staging = staging_[tensor.name];
-    if (staging.capacity < bytes) {
-      staging.bytes = std::make_unique_for_overwrite<std::byte[]>(bytes);
-      staging.capacity = bytes;
+  try {
+    for (const auto& tensor : tensors) {
+      // Only the bytes this rank will write: its slice, or its piece of a replicated tensor.
+      const std::optional<detail::Box> piece = detail::rank_piece(tensor, comm_.rank(), comm_.size());
+      const std::size_t bytes = piece ? element_count(piece->extent) * dtype_size(tensor.dtype) : 0;
+      Staging& staging = staging_[tensor.name];
+      if (staging.capacity < bytes) {
+        staging.bytes = std::make_unique_for_overwrite<std::byte[]>(bytes);
+        staging.capacity = bytes;
+      }
+      TensorView copy = tensor;
+      copy.data = bytes > 0 ? staging.bytes.get() : &no_piece;
+      if (bytes > 0) {
+        std::memcpy(staging.bytes.get(), detail::piece_data(tensor, *piece, gather_scratch_), bytes);
+      }
+      job.views.push_back(std::move(copy));
     }
-    TensorView copy = tensor;
-    copy.data = bytes > 0 ? staging.bytes.get() : &no_piece;
-    if (bytes > 0) {
-      std::memcpy(staging.bytes.get(), detail::piece_data(tensor, *piece, gather_scratch_), bytes);
-    }
-    job.views.push_back(std::move(copy));
+  } catch (const std::exception& e) {
+    // E.g. out of memory for the staging buffers. Not thrown here either: the other ranks'
+    // writers wait for this rank's votes, so the writer thread votes no with this error.
+    job.views.clear();
+    job.error = fmt::format("rank {}: snapshot for step {} failed: {}", comm_.rank(), step, e.what());
   }
   pending_ = std::move(job);
   in_flight_ = true;
@@ -87,8 +96,11 @@ void AsyncSaver::run(std::stop_token stop) {
     std::exception_ptr error;
     std::optional<SaveResult> result;
     try {
+      if (job.error && options_.layout == Layout::shared_file)
+        throw CheckpointError(*job.error);  // see save_checkpoint_from: collective writes
       result = detail::save_checkpoint_from(root_, job.step, job.views, job.metadata, comm_,
-                                            options_, detail::PieceSource::rank_piece_only);
+                                            options_, detail::PieceSource::rank_piece_only,
+                                            job.error ? &*job.error : nullptr);
     } catch (...) {
       error = std::current_exception();
     }

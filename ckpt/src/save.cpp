@@ -396,7 +396,7 @@ SaveResult save_checkpoint(const fs::path& root, std::uint64_t step,
 SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step,
                                         std::span<const TensorView> tensors, const json& metadata,
                                         Communicator& comm, const SaveOptions& options,
-                                        PieceSource source) {
+                                        PieceSource source, const std::string* local_error) {
   const int rank = comm.rank();
   // Round 1: rank 0 creates the temporary directory and tells everyone its name.
   std::string proposal;
@@ -420,6 +420,10 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
   SaveResult result;
   std::string vote;
   try {
+    // A rank that already failed locally (AsyncSaver's snapshot) still takes part in every
+    // round, voting no, so the other ranks never wait for it. (The shared-file layout's
+    // collective writes need every rank's data: there the error is thrown before round 1.)
+    if (local_error) throw CheckpointError(*local_error);
     const json report =
         options.layout == Layout::shared_file
             ? detail::write_shared_file(temporary, step, tensors, comm, options, source,

@@ -24,7 +24,8 @@ enum class PieceSource { whole_tensor, rank_piece_only };
 SaveResult save_checkpoint_from(const std::filesystem::path& root, std::uint64_t step,
                                 std::span<const TensorView> tensors,
                                 const nlohmann::json& metadata, Communicator& comm,
-                                const SaveOptions& options, PieceSource source);
+                                const SaveOptions& options, PieceSource source,
+                                const std::string* local_error = nullptr);
 
 // The box of `t` this rank writes (nullopt: nothing) and a pointer to its C-contiguous bytes
 // (the caller's memory when possible, else gathered into gather_buffer).
