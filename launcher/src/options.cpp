@@ -1,0 +1,290 @@
+#include "options.hpp"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+
+namespace elastrun::launcher {
+namespace {
+
+std::string one_line(std::string text) {
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  while (!text.empty() && text.back() == ' ') text.pop_back();
+  return text;
+}
+
+std::optional<long> to_long(std::string_view text) {
+  long value = 0;
+  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc{} || p != text.data() + text.size()) return std::nullopt;
+  return value;
+}
+
+Millis seconds_option(const std::string& flag, const std::string& text) {
+  char* end = nullptr;
+  errno = 0;
+  double seconds = std::strtod(text.c_str(), &end);
+  if (text.empty() || end != text.c_str() + text.size() || errno != 0 || !std::isfinite(seconds) ||
+      seconds < 0 || seconds > 86400.0 * 365)
+    throw UsageError(fmt::format("{}='{}' is not a number of seconds (e.g. 30 or 0.5)", flag, text));
+  return Millis(static_cast<long long>(std::llround(seconds * 1000.0)));
+}
+
+int cpu_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return 1;
+}
+
+int gpu_count() {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev", ec)) {
+    auto name = entry.path().filename().string();
+    if (name.size() > 6 && name.starts_with("nvidia") &&
+        std::all_of(name.begin() + 6, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      ++n;
+  }
+  return n;
+}
+
+int parse_nproc(const std::string& text) {
+  if (text == "cpu") return cpu_count();
+  if (text == "gpu") {
+    int n = gpu_count();
+    if (n == 0)
+      throw UsageError("--nproc-per-node=gpu: no GPU found on this node (/dev/nvidia*); give a number or 'cpu'");
+    return n;
+  }
+  if (text == "auto") {
+    int n = gpu_count();
+    return n > 0 ? n : cpu_count();
+  }
+  auto n = to_long(text);
+  if (!n || *n < 1 || *n > 4096)
+    throw UsageError(fmt::format("--nproc-per-node='{}' must be a number of processes (1-4096), auto, cpu or gpu", text));
+  return static_cast<int>(*n);
+}
+
+void parse_nnodes(const std::string& text, AgentOptions& o) {
+  auto colon = text.find(':');
+  auto lo = to_long(std::string_view(text).substr(0, colon));
+  auto hi = colon == std::string::npos ? lo : to_long(std::string_view(text).substr(colon + 1));
+  if (!lo || !hi || *lo < 1 || *hi > 100000)
+    throw UsageError(fmt::format("--nnodes='{}' must be N or MIN:MAX with 1 <= MIN <= MAX", text));
+  if (*lo > *hi) throw UsageError(fmt::format("--nnodes={}: MIN is larger than MAX", text));
+  o.min_nodes = static_cast<int>(*lo);
+  o.max_nodes = static_cast<int>(*hi);
+}
+
+bool parse_bool(const std::string& key, const std::string& value) {
+  if (value == "1" || value == "true" || value == "True" || value == "yes") return true;
+  if (value == "0" || value == "false" || value == "False" || value == "no") return false;
+  throw UsageError(fmt::format("--rdzv-conf {}='{}' must be 1/0 or true/false", key, value));
+}
+
+void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
+  std::string_view rest = text;
+  while (!rest.empty()) {
+    auto comma = rest.find(',');
+    auto item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    if (item.empty()) continue;
+    auto eq = item.find('=');
+    if (eq == std::string_view::npos)
+      throw UsageError(fmt::format("--rdzv-conf: '{}' is not KEY=VALUE", item));
+    std::string key(item.substr(0, eq)), value(item.substr(eq + 1));
+    const std::string flag = "--rdzv-conf " + key;
+    if (key == "join_timeout") o.join_timeout = seconds_option(flag, value);
+    else if (key == "last_call_timeout") o.last_call_timeout = seconds_option(flag, value);
+    else if (key == "heartbeat_timeout") o.heartbeat_timeout = seconds_option(flag, value);
+    else if (key == "is_host") o.is_host = parse_bool(key, value);
+    else if (key == "read_timeout" || key == "close_timeout" || key == "timeout" ||
+             key == "keep_alive_interval" || key == "keep_alive_max_attempt" || key == "store_type" ||
+             key == "use_agent_store" || key == "protocol" || key == "cacert" || key == "cert" || key == "key")
+      o.ignored_rdzv_conf.push_back(key);
+    else
+      throw UsageError(fmt::format(
+          "--rdzv-conf: unknown key '{}' (known: join_timeout, last_call_timeout, heartbeat_timeout, is_host)", key));
+  }
+  if (o.heartbeat_timeout < Millis(200))
+    throw UsageError("--rdzv-conf heartbeat_timeout must be at least 0.2 s");
+}
+
+}  // namespace
+
+StreamSpec parse_stream_spec(const std::string& flag, const std::string& text) {
+  const auto bad = [&] {
+    return UsageError(fmt::format(
+        "{}='{}': use 0 (none), 1 (stdout), 2 (stderr), 3 (both), or LOCAL_RANK:N,...", flag, text));
+  };
+  const auto value = [&](std::string_view v) {
+    auto n = to_long(v);
+    if (!n || *n < 0 || *n > 3) throw bad();
+    return static_cast<int>(*n);
+  };
+  StreamSpec spec;
+  if (text.find(':') == std::string::npos) {
+    spec.all = value(text);
+    return spec;
+  }
+  std::string_view rest = text;
+  while (!rest.empty()) {
+    auto comma = rest.find(',');
+    auto item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    auto colon = item.find(':');
+    if (colon == std::string_view::npos) throw bad();
+    auto rank = to_long(item.substr(0, colon));
+    if (!rank || *rank < 0 || *rank > 4096) throw bad();
+    spec.per_rank[static_cast<int>(*rank)] = value(item.substr(colon + 1));
+  }
+  return spec;
+}
+
+ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::string, std::string>& pet,
+                                 AgentOptions& o) {
+  CLI::App app{"elastrun: elastic agent for PyTorch training on Slurm (torchrun-compatible)", "elastrun"};
+  app.prefix_command();  // the first positional is the program; everything after it is its own
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.get_formatter()->column_width(44);
+  app.footer(
+      "\nusage: elastrun [options] PROGRAM [ARGS...]\n"
+      "       elastrun env [--json]     print the detected Slurm/MPI/torch environment\n"
+      "       elastrun --version\n"
+      "PROGRAM: a *.py script or -m MODULE runs with $ELASTRUN_PYTHON (default python3) -u;\n"
+      "any other executable runs as is. PET_<FLAG> environment variables give defaults.\n"
+      "Exit codes: 0 success, 1 workers failed for good or rendezvous error, 2 bad command line,\n"
+      "128+N stopped by signal N. See docs/launcher.md.");
+
+  std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300",
+              redirects = "0", tee = "0", ranks_filter, node_rank, master_port;
+  app.add_option("--nnodes", nnodes, "N or MIN:MAX nodes (default: the Slurm step's node count, else 1)");
+  app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers per node: N, auto, cpu or gpu (default 1)");
+  app.add_option("--rdzv-backend,--rdzv_backend", o.rdzv_backend,
+                 "c10d|static (embedded store, default) or etcd|etcd-v2 (external etcd v3)");
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", o.rdzv_endpoint,
+                 "HOST[:PORT] of the store (default under Slurm: first node of the step)");
+  app.add_option("--rdzv-id,--rdzv_id", o.rdzv_id, "run id (default: <job id>.r<restart count> under Slurm)");
+  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf,
+                 "KEY=VALUE,...: join_timeout, last_call_timeout, heartbeat_timeout (seconds), is_host");
+  app.add_option("--rdzv-auth,--rdzv_auth", o.rdzv_auth, "munge|token|none|auto (default auto)");
+  app.add_flag("--standalone", o.standalone, "one machine: an in-process store on 127.0.0.1, no Slurm needed");
+  app.add_option("--max-restarts,--max_restarts", o.max_restarts, "worker failures tolerated, job-wide (default 0)");
+  app.add_option("--monitor-interval,--monitor_interval", monitor, "seconds between worker checks (default 0.1)");
+  app.add_option("--stop-grace,--stop_grace", grace, "seconds between SIGTERM and SIGKILL when stopping workers (default 5)");
+  app.add_option("--exit-barrier-timeout,--exit_barrier_timeout", exit_barrier,
+                 "seconds to wait for the other nodes after local success (default 300)");
+  app.add_option("--role", o.role, "worker role name (ROLE_NAME, default 'default')");
+  app.add_option("--node-rank,--node_rank", node_rank, "this node's position in the round order (static use)");
+  app.add_option("--master-addr,--master_addr", o.master_addr,
+                 "without --rdzv-endpoint: the store host (torchrun static); workers get MASTER_ADDR from the round");
+  app.add_option("--master-port,--master_port", master_port, "port to go with --master-addr (default 29500)");
+  app.add_option("--local-addr,--local_addr", o.local_addr,
+                 "address peers use to reach this node (default: the node's resolved address)");
+  app.add_option("--start-method,--start_method", o.start_method,
+                 "spawn|fork|forkserver: accepted; workers are always separate fork+exec'd processes");
+  app.add_option("--log-dir,--log_dir", o.log_dir, "per-attempt worker logs and error files go here");
+  app.add_option("-r,--redirects", redirects, "to files only: 0 none, 1 stdout, 2 stderr, 3 both; or LOCAL_RANK:N,...");
+  app.add_option("-t,--tee", tee, "to files and console: same values as --redirects");
+  app.add_option("--local-ranks-filter,--local_ranks_filter", ranks_filter,
+                 "comma list of local ranks whose output reaches the console (default all)");
+  app.add_flag("-m,--module", o.module, "PROGRAM is a Python module (python -m)");
+  app.add_flag("--no-python,--no_python", o.no_python, "run PROGRAM as is, even a *.py file");
+  app.add_flag("--run-path,--run_path", o.run_path, "accepted (torchrun runs the script with runpy); runs with python");
+
+  // PET_<FLAG> defaults go first on the line: explicit flags (later) win (TakeLast).
+  std::vector<std::string> args;
+  for (const auto& [key, value] : pet) {
+    if (key == "nproc_per_node" || key == "nnodes" || app.get_option_no_throw("--" + key) != nullptr)
+      args.push_back(fmt::format("--{}={}", key, value));
+  }
+  for (int i = 1; i < argc; ++i) args.emplace_back(argv[i]);
+  std::reverse(args.begin(), args.end());  // CLI11 parses a reversed vector
+  try {
+    app.parse(args);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return ParseOutcome::Exit0;
+  } catch (const CLI::CallForAllHelp&) {
+    std::cout << app.help("", CLI::AppFormatMode::All);
+    return ParseOutcome::Exit0;
+  } catch (const CLI::ParseError& e) {
+    throw UsageError(one_line(e.what()));
+  }
+
+  auto rest = app.remaining();
+  if (rest.empty()) throw UsageError("no program to run: elastrun [options] PROGRAM [ARGS...]");
+  if (rest.front().starts_with("-") && rest.front() != "-")
+    throw UsageError(fmt::format("unknown option '{}'", rest.front()));
+  o.program = rest.front();
+  o.program_args.assign(rest.begin() + 1, rest.end());
+
+  if (!nnodes.empty()) parse_nnodes(nnodes, o);
+  o.nproc_per_node = parse_nproc(nproc);
+  if (!rdzv_conf.empty()) parse_rdzv_conf(rdzv_conf, o);
+  o.monitor_interval = std::max(Millis(10), seconds_option("--monitor-interval", monitor));
+  o.stop_grace = seconds_option("--stop-grace", grace);
+  o.exit_barrier_timeout = seconds_option("--exit-barrier-timeout", exit_barrier);
+  o.redirects = parse_stream_spec("--redirects", redirects);
+  o.tee = parse_stream_spec("--tee", tee);
+  if (!ranks_filter.empty()) {
+    std::set<int> ranks;
+    std::string_view r = ranks_filter;
+    while (!r.empty()) {
+      auto comma = r.find(',');
+      auto n = to_long(r.substr(0, comma));
+      if (!n || *n < 0) throw UsageError(fmt::format("--local-ranks-filter='{}' must be a comma list of local ranks", ranks_filter));
+      ranks.insert(static_cast<int>(*n));
+      r = comma == std::string_view::npos ? std::string_view{} : r.substr(comma + 1);
+    }
+    o.local_ranks_filter = std::move(ranks);
+  }
+  if (!node_rank.empty()) {
+    auto n = to_long(node_rank);
+    if (!n || *n < 0 || *n > 1'000'000) throw UsageError(fmt::format("--node-rank='{}' must be a non-negative integer", node_rank));
+    o.node_rank = static_cast<int>(*n);
+  }
+  if (!master_port.empty()) {
+    auto n = to_long(master_port);
+    if (!n || *n < 1 || *n > 65535) throw UsageError(fmt::format("--master-port='{}' must be 1-65535", master_port));
+    o.master_port = static_cast<int>(*n);
+  }
+
+  // contradictions
+  if (o.rdzv_backend != "c10d" && o.rdzv_backend != "static" && o.rdzv_backend != "etcd" &&
+      o.rdzv_backend != "etcd-v2")
+    throw UsageError(fmt::format("--rdzv-backend='{}' is not one of c10d, static, etcd, etcd-v2", o.rdzv_backend));
+  if (!o.start_method.empty() && o.start_method != "spawn" && o.start_method != "fork" &&
+      o.start_method != "forkserver")
+    throw UsageError(fmt::format("--start-method='{}' is not one of spawn, fork, forkserver", o.start_method));
+  if (o.max_restarts < 0) throw UsageError("--max-restarts must be 0 or more");
+  if (o.no_python && o.module) throw UsageError("--no-python and -m/--module contradict each other (a module needs python)");
+  if (o.no_python && o.run_path) throw UsageError("--no-python and --run-path contradict each other");
+  if (o.standalone) {
+    if (!o.rdzv_endpoint.empty())
+      throw UsageError("--standalone and --rdzv-endpoint contradict each other (standalone hosts its own store)");
+    if (o.rdzv_backend == "etcd" || o.rdzv_backend == "etcd-v2")
+      throw UsageError("--standalone and --rdzv-backend=etcd contradict each other");
+    if (o.max_nodes && *o.max_nodes > 1)
+      throw UsageError(fmt::format("--standalone runs one node but --nnodes={}:{} asks for more", *o.min_nodes, *o.max_nodes));
+  }
+  if ((o.rdzv_backend == "etcd" || o.rdzv_backend == "etcd-v2") && o.rdzv_endpoint.empty())
+    throw UsageError("--rdzv-backend=etcd needs --rdzv-endpoint=HOST:PORT of an etcd server");
+  if (o.master_port && o.master_addr.empty() && o.rdzv_endpoint.empty() && !o.standalone)
+    throw UsageError("--master-port needs --master-addr (or use --rdzv-endpoint=HOST:PORT)");
+
+  const char* python = std::getenv("ELASTRUN_PYTHON");
+  o.python = python && *python ? python : "python3";
+  return ParseOutcome::Run;
+}
+
+}  // namespace elastrun::launcher

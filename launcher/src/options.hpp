@@ -1,0 +1,81 @@
+// The agent's command line: torchrun-compatible flags (both `--nproc-per-node` and
+// `--nproc_per_node` spellings), PET_* environment overrides as defaults, and the program to run.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace elastrun::launcher {
+
+using Millis = std::chrono::milliseconds;
+
+// A bad or contradictory command line: what() is one line; the agent exits with code 2.
+class UsageError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Which standard streams go where: bit 1 = stdout, bit 2 = stderr (torchrun's Std values).
+struct StreamSpec {
+  int all = 0;                      // applies to local ranks not in `per_rank`
+  std::map<int, int> per_rank;      // "0:3,1:1"
+  int for_rank(int local_rank) const {
+    auto it = per_rank.find(local_rank);
+    return it == per_rank.end() ? all : it->second;
+  }
+};
+
+struct AgentOptions {
+  // --nnodes (nullopt: the Slurm step's node count, or 1)
+  std::optional<int> min_nodes, max_nodes;
+  int nproc_per_node = 1;
+  std::string rdzv_backend = "c10d";  // c10d|static -> embedded store; etcd|etcd-v2 -> EtcdKv
+  std::string rdzv_endpoint;
+  std::string rdzv_id;
+  Millis join_timeout{600'000};
+  Millis last_call_timeout{1000};
+  Millis heartbeat_timeout{3000};
+  std::optional<bool> is_host;
+  std::vector<std::string> ignored_rdzv_conf;  // torchrun keys accepted without effect
+  bool standalone = false;
+  int max_restarts = 0;
+  Millis monitor_interval{100};
+  Millis stop_grace{5000};
+  Millis exit_barrier_timeout{300'000};
+  std::string role = "default";
+  std::optional<int> node_rank;
+  std::string master_addr;
+  std::string local_addr;    // --local-addr: how peers reach this node (MASTER_ADDR if group rank 0)
+  std::string start_method;  // accepted, no effect: workers are always fork+exec'd processes
+  std::optional<int> master_port;
+  std::string log_dir;
+  StreamSpec redirects;
+  StreamSpec tee;
+  std::optional<std::set<int>> local_ranks_filter;  // console output only from these local ranks
+  bool module = false;
+  bool no_python = false;
+  bool run_path = false;
+  std::string rdzv_auth = "auto";
+  std::string python;  // ELASTRUN_PYTHON, default python3
+  // the program and its arguments, untouched
+  std::string program;
+  std::vector<std::string> program_args;
+};
+
+enum class ParseOutcome { Run, Exit0 };
+
+// Parses argv (argv[0] is the binary). `pet` (torchrun's PET_<FLAG> variables, lower-case flag
+// names) supplies defaults that the command line overrides. Throws UsageError; on --help prints
+// the help and returns Exit0.
+ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::string, std::string>& pet,
+                                 AgentOptions& out);
+
+// "3", "0:1,1:2" -> StreamSpec; throws UsageError naming `flag`.
+StreamSpec parse_stream_spec(const std::string& flag, const std::string& text);
+
+}  // namespace elastrun::launcher

@@ -1,0 +1,69 @@
+// The local worker processes of one attempt: spawned each in its own process group with
+// PR_SET_PDEATHSIG(SIGKILL) and a clean signal state, their stdout/stderr relayed line by line
+// with a "[rank N] " prefix (console) and/or raw into per-attempt log files, reaped without
+// blocking, and stopped with SIGTERM -> grace -> SIGKILL to each group. The destructor stops
+// whatever still runs: no worker outlives its WorkerGroup.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace elastrun::launcher {
+
+struct WorkerSpec {
+  int local_rank = 0;
+  int global_rank = 0;
+  std::string path;               // resolved executable
+  std::vector<std::string> argv;  // argv[0] included
+  std::vector<std::string> env;   // "KEY=VALUE"
+  bool console_stdout = true, console_stderr = true;  // relay to the agent's stdout/stderr
+  std::string stdout_file, stderr_file;               // raw copies ("" = none)
+};
+
+struct WorkerExit {
+  int local_rank = 0;
+  int global_rank = 0;
+  pid_t pid = 0;
+  int exit_code = 0;   // valid when signal == 0
+  int signal = 0;      // terminating signal, 0 if it exited
+  std::string exec_error;  // the program could not be executed (then exit_code 127)
+  std::chrono::system_clock::time_point when;
+  bool ok() const { return signal == 0 && exit_code == 0; }
+};
+
+class WorkerGroup {
+ public:
+  // Starts every worker; throws std::system_error / std::runtime_error (already started workers
+  // are stopped by the destructor of the partially built group).
+  explicit WorkerGroup(std::vector<WorkerSpec> specs);
+  ~WorkerGroup();
+  WorkerGroup(const WorkerGroup&) = delete;
+  WorkerGroup& operator=(const WorkerGroup&) = delete;
+
+  // Reaps exited children without blocking; returns workers that exited since the last call.
+  std::vector<WorkerExit> poll_exits();
+  bool all_exited() const;
+  std::vector<pid_t> pids() const;
+
+  // SIGTERM to each live worker's group, up to `grace`, then SIGKILL; every child reaped and the
+  // output relay drained. Returns the exits observed while stopping.
+  std::vector<WorkerExit> stop(std::chrono::milliseconds grace);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Human name of a signal: "SIGSEGV".
+std::string signal_name(int sig);
+
+// Resolves `program` like execvp would (a name with '/' as is, else through $PATH); nullopt if
+// no executable file is found.
+std::optional<std::string> find_executable(const std::string& program);
+
+}  // namespace elastrun::launcher

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The elastrun agent on a private 4-node testbed (zero rendezvous flags: endpoint, run id and
+# identity come from Slurm):
+#  1. srun --no-kill -N4 --ntasks-per-node=1 elastrun --nnodes=2:4 --nproc-per-node=2 worker
+#     -> 8 workers, WORLD_SIZE 8, ranks 0..7 in node order n1..n4, one MASTER_ADDR:PORT, exit 0;
+#  2. rank 3 fails once -> every node restarts (TORCHELASTIC_RESTART_COUNT=1), exit 0;
+#  3. the same with workers sleeping in the 8-rank round; `kill-node n3` -> the survivors stop
+#     their workers at once, re-form with 3 nodes, restart with WORLD_SIZE 6 (no restart counted)
+#     and finish; every surviving agent exits 0.
+# Usage: test_agent_slurm.sh path/to/launcher_test_worker
+# Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-launcher),
+# ELASTRUN_BIN (build/bin).
+set -euo pipefail
+worker=$1
+TB=$ELASTRUN_TESTBED
+export TESTBED_ID="${TESTBED_ID}-launcher"
+out=$(mktemp -d)
+chmod 755 "$out"
+srun_pid=
+
+cleanup() {
+  local rc=$?
+  if [[ -n $srun_pid ]] && kill -0 "$srun_pid" 2>/dev/null; then
+    kill -KILL "$srun_pid" 2>/dev/null || true
+    wait "$srun_pid" 2>/dev/null || true
+  fi
+  if ((rc != 0)); then
+    for f in "$out"/*.log; do [[ -e $f ]] && { echo "--- $f" >&2; tail -60 "$f" >&2; }; done
+  fi
+  "$TB" down >/dev/null || rc=1
+  rm -rf "$out"
+  exit "$rc"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+"$TB" down >/dev/null 2>&1 || true
+"$TB" up 4
+eval "$("$TB" env)"
+
+# ---- 1. success path ------------------------------------------------------------------------
+mkdir -p "$out/ok"
+start=$SECONDS
+TEST_WORKER_OUT_DIR=$out/ok timeout 180 srun --no-kill -N4 --ntasks-per-node=1 \
+  "$ELASTRUN_BIN/elastrun" --nnodes=2:4 --nproc-per-node=2 "$worker" >"$out/ok.log" 2>&1 ||
+  fail "srun elastrun exited $?"
+echo "success path: $((SECONDS - start)) s"
+/usr/bin/python3 - "$out/ok" <<'PY'
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
+assert len(runs) == 8, f"{len(runs)} workers ran, expected 8"
+assert sorted(int(r["RANK"]) for r in runs) == list(range(8)), runs
+nodes = ["n1", "n2", "n3", "n4"]
+for r in runs:
+    rank = int(r["RANK"])
+    assert r["WORLD_SIZE"] == "8" and r["GROUP_WORLD_SIZE"] == "4" and r["LOCAL_WORLD_SIZE"] == "2", r
+    assert r["ELASTRUN_NODE"] == nodes[rank // 2], r            # ranks follow node order
+    assert int(r["GROUP_RANK"]) == rank // 2 and int(r["LOCAL_RANK"]) == rank % 2, r
+    assert r["TORCHELASTIC_RESTART_COUNT"] == "0", r
+assert len({(r["MASTER_ADDR"], r["MASTER_PORT"], r["TORCHELASTIC_RUN_ID"], r["ELASTRUN_GENERATION"]) for r in runs}) == 1, runs
+print("ok: 8 workers on 4 nodes, ranks in node order, one master", runs[0]["MASTER_ADDR"], runs[0]["MASTER_PORT"])
+PY
+[[ $(grep -c "done; exiting 0" "$out/ok.log") -eq 4 ]] || fail "not every agent exited 0"
+
+# ---- 2. a worker fails on n2 (rank 3, first attempt only): every node restarts once --------
+mkdir -p "$out/fail"
+TEST_WORKER_OUT_DIR=$out/fail TEST_WORKER_FAIL_RANK=3 TEST_WORKER_FAIL_ONCE=$out/fail/failed-once \
+  TEST_WORKER_FAIL_AFTER=1 TEST_WORKER_SLEEP=2 timeout 180 srun --no-kill -N4 --ntasks-per-node=1 \
+  "$ELASTRUN_BIN/elastrun" --nnodes=4 --nproc-per-node=2 --max-restarts=1 "$worker" >"$out/fail.log" 2>&1 ||
+  fail "srun elastrun (one worker failure) exited $?"
+/usr/bin/python3 - "$out/fail" <<'PY'
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
+gens = sorted({int(r["ELASTRUN_GENERATION"]) for r in runs})
+assert len(gens) == 2, gens
+second = [r for r in runs if int(r["ELASTRUN_GENERATION"]) == gens[1]]
+assert sorted(int(r["RANK"]) for r in second) == list(range(8)), second
+assert all(r["TORCHELASTIC_RESTART_COUNT"] == "1" and r["WORLD_SIZE"] == "8" for r in second), second
+print("ok: rank 3 failed once; all 8 workers restarted with TORCHELASTIC_RESTART_COUNT=1")
+PY
+[[ $(grep -c "state RESTART restart 1 of 1" "$out/fail.log") -eq 1 ]] || fail "expected exactly one RESTART (on n2)"
+[[ $(grep -c "done; exiting 0" "$out/fail.log") -eq 4 ]] || fail "not every agent exited 0 after the restart"
+
+# ---- 3. kill-node n3 while workers sleep ----------------------------------------------------
+mkdir -p "$out/kill"
+TEST_WORKER_OUT_DIR=$out/kill TEST_WORKER_SLEEP=120 TEST_WORKER_SLEEP_WORLD_SIZE=8 \
+  srun --no-kill -N4 --ntasks-per-node=1 \
+  "$ELASTRUN_BIN/elastrun" --nnodes=2:4 --nproc-per-node=2 --rdzv-conf heartbeat_timeout=2 "$worker" \
+  >"$out/kill.log" 2>&1 &
+srun_pid=$!
+deadline=$((SECONDS + 120))
+until [[ $(ls "$out/kill"/rank*.json 2>/dev/null | wc -l) -ge 8 ]]; do
+  ((SECONDS < deadline)) || fail "8 workers did not start"
+  kill -0 "$srun_pid" 2>/dev/null || fail "srun ended early"
+  sleep 0.5
+done
+"$TB" kill-node n3
+killed=$SECONDS
+deadline=$((SECONDS + 120))
+until [[ $(grep -c "done; exiting 0" "$out/kill.log") -ge 3 ]]; do
+  ((SECONDS < deadline)) || fail "the three survivors did not finish after kill-node n3"
+  sleep 0.5
+done
+echo "kill-node n3 -> survivors finished in $((SECONDS - killed)) s"
+wait "$srun_pid" || true  # srun reports the lost node's task as failed
+srun_pid=
+/usr/bin/python3 - "$out/kill" <<'PY'
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
+six = [r for r in runs if r["WORLD_SIZE"] == "6"]
+assert len(six) == 6, f"{len(six)} workers ran with WORLD_SIZE 6: {runs}"
+assert sorted(int(r["RANK"]) for r in six) == list(range(6)), six
+order = ["n1", "n2", "n4"]
+for r in six:
+    assert r["ELASTRUN_NODE"] == order[int(r["RANK"]) // 2], r
+    assert r["TORCHELASTIC_RESTART_COUNT"] == "0", r  # a lost node does not consume the budget
+assert len({(r["MASTER_ADDR"], r["MASTER_PORT"], r["ELASTRUN_GENERATION"]) for r in six}) == 1, six
+assert int(six[0]["ELASTRUN_GENERATION"]) > int([r for r in runs if r["WORLD_SIZE"] == "8"][0]["ELASTRUN_GENERATION"])
+print("ok: survivors n1 n2 n4 restarted with WORLD_SIZE 6 in generation", six[0]["ELASTRUN_GENERATION"])
+PY
+grep -q "state MEMBERSHIP_CHANGED member lost" "$out/kill.log" || fail "no MEMBERSHIP_CHANGED (member lost) log line"
+grep -E "state (MEMBERSHIP_CHANGED|RENDEZVOUS round)|done; exiting" "$out/kill.log" || true
+echo "ok: slurm.launcher_agent"

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# An unmodified torch.distributed gloo program (gloo_allreduce.py) under
+# `elastrun --standalone --nproc-per-node 2`, with Debian's python3-torch (/usr/bin/python3);
+# then rank 1 dies on the first attempt while rank 0 is in the all-reduce: the agent stops rank 0
+# at once (no gloo timeout), restarts both, and the second attempt succeeds.
+# Exit 77 (skipped) when that interpreter has no torch. Usage: test_torch_gloo.sh path/to/elastrun
+set -uo pipefail
+elastrun=$1
+here=$(cd "$(dirname "$0")" && pwd)
+py=${ELASTRUN_TEST_PYTHON:-/usr/bin/python3}
+"$py" -c 'import torch.distributed' 2>/dev/null || { echo "skip: $py has no torch"; exit 77; }
+for v in $(compgen -e | grep -E '^(SLURM_|PET_|RANK$|WORLD_SIZE$|MASTER_)'); do unset "$v"; done
+log=$(mktemp)
+marker=$(mktemp -u)
+trap 'rm -f "$log" "$marker"' EXIT
+ELASTRUN_PYTHON=$py timeout 150 "$elastrun" --standalone --nproc-per-node 2 "$here/gloo_allreduce.py" >"$log" 2>&1
+rc=$?
+cat "$log"
+[[ $rc -eq 0 ]] || { echo "FAIL: exit $rc"; exit 1; }
+for r in 0 1; do
+  grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 0" "$log" || { echo "FAIL: rank $r did not all-reduce"; exit 1; }
+done
+start=$SECONDS
+GLOO_TEST_CRASH_ONCE=$marker ELASTRUN_PYTHON=$py timeout 150 "$elastrun" --standalone --nproc-per-node 2 --max-restarts 1 \
+  "$here/gloo_allreduce.py" >"$log" 2>&1
+rc=$?
+cat "$log"
+[[ $rc -eq 0 ]] || { echo "FAIL: crash-once run exited $rc"; exit 1; }
+grep -q "state FAILED rank 1 .*exited with code 9" "$log" || { echo "FAIL: no FAILED line for rank 1"; exit 1; }
+for r in 0 1; do
+  grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 1" "$log" || { echo "FAIL: rank $r did not all-reduce after the restart"; exit 1; }
+done
+echo "ok: crash during a collective -> restart -> success in $((SECONDS - start)) s"
+echo "ok: gloo all-reduce under elastrun --standalone"
