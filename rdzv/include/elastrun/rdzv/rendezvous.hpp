@@ -81,6 +81,9 @@ std::string_view to_string(Change change);
 // Opens a connection to the store at address:port (used to fail over to a standby store).
 using StoreConnector = std::function<std::unique_ptr<KvBackend>(const std::string& address, std::uint16_t port)>;
 
+// Not thread-safe: one thread (the agent's main loop) calls next_round/wait_for_change/...;
+// the object's own heartbeat thread only touches the heartbeat connection. To react to local
+// events while waiting for a change, call wait_for_change with a short timeout in a loop.
 class Rendezvous {
  public:
   // `kv` carries the protocol; `heartbeat_kv` (a second connection) holds this member's lease
