@@ -1,25 +1,17 @@
 // One behavioural suite, two engines: the embedded store and a real etcd (Debian's etcd-server,
 // started on loopback by this test and stopped by PID). Key-value semantics the membership
 // protocol relies on, then the membership protocol itself.
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
 #include <future>
+#include <memory>
 #include <thread>
 
 #include "elastrun/rdzv/etcd.hpp"
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/rendezvous.hpp"
 #include "elastrun/rdzv/store.hpp"
-
-extern char** environ;
+#include "support/daemon.hpp"
 
 namespace {
 
@@ -34,59 +26,29 @@ class EtcdServer : public testing::Environment {
   static inline std::string endpoint;
 
   void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() / ("elastrun-etcd-" + std::to_string(getpid()));
-    std::filesystem::create_directories(dir_);
-    auto client = free_port(), peer = free_port();
+    const auto client = free_port(), peer = free_port();
     endpoint = "127.0.0.1:" + std::to_string(client);
-    std::vector<std::string> args{"etcd",
-                                  "--name", "test",
-                                  "--data-dir", (dir_ / "data").string(),
-                                  "--listen-client-urls", "http://" + endpoint,
-                                  "--advertise-client-urls", "http://" + endpoint,
-                                  "--listen-peer-urls", "http://127.0.0.1:" + std::to_string(peer),
-                                  "--initial-advertise-peer-urls", "http://127.0.0.1:" + std::to_string(peer),
-                                  "--initial-cluster", "test=http://127.0.0.1:" + std::to_string(peer),
-                                  "--logger", "zap", "--log-outputs", "stderr"};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
-    const auto log = (dir_ / "etcd.log").string();
-    posix_spawn_file_actions_addopen(&fa, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    ASSERT_EQ(posix_spawnp(&pid_, "etcd", &fa, nullptr, argv.data(), environ), 0)
-        << "etcd is not installed (Debian package etcd-server; scripts/setup installs it)";
-    posix_spawn_file_actions_destroy(&fa);
-    auto deadline = std::chrono::steady_clock::now() + 60s;
-    while (std::chrono::steady_clock::now() < deadline) {
-      try {
-        EtcdKv probe(endpoint, 2s);
-        return;
-      } catch (const StoreError&) {
-        std::this_thread::sleep_for(100ms);
-      }
-    }
-    // A failed environment must fail the run, not skip every test.
-    std::fprintf(stderr, "FAIL: etcd did not answer on %s within 60 s (log %s)\n", endpoint.c_str(),
-                 (dir_ / "etcd.log").c_str());
-    std::exit(1);
-  }
-
-  void TearDown() override {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      waitpid(pid_, nullptr, 0);
-    }
-    std::filesystem::remove_all(dir_);
+    const auto peer_url = "http://127.0.0.1:" + std::to_string(peer);
+    etcd_.start({"etcd", "--name", "test", "--data-dir", (etcd_.dir() / "data").string(),
+                 "--listen-client-urls", "http://" + endpoint, "--advertise-client-urls", "http://" + endpoint,
+                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                 "--initial-cluster", "test=" + peer_url, "--logger", "zap", "--log-outputs", "stderr"},
+                [] {
+                  try {
+                    EtcdKv probe(endpoint, 2s);
+                    return true;
+                  } catch (const StoreError&) {
+                    return false;
+                  }
+                });
   }
 
  private:
-  pid_t pid_ = -1;
-  std::filesystem::path dir_;
+  elastrun::testing_support::Daemon etcd_{"etcd"};
 };
 
-const auto* const kEtcd = testing::AddGlobalTestEnvironment(new EtcdServer);  // gtest owns it
+// gtest takes ownership of environments through a raw pointer.
+const auto* const kEtcd = testing::AddGlobalTestEnvironment(std::make_unique<EtcdServer>().release());
 
 // Each test gets its own run prefix so tests never see each other's keys on the shared etcd.
 class Backend : public testing::TestWithParam<std::string> {

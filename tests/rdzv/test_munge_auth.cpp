@@ -1,23 +1,17 @@
 // MUNGE authentication with a real munged (own key and socket, started and stopped by PID by
 // this test): the job's user is admitted; a missing, forged, replayed or foreign-run credential,
 // and a credential of another user, are refused on both sides with a clear reason.
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <pwd.h>
-#include <signal.h>
-#include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdio>
-#include <cstdlib>
-#include <filesystem>
+#include <memory>
 #include <thread>
 
 #include "elastrun/rdzv/auth.hpp"
 #include "elastrun/rdzv/store.hpp"
-
-extern char** environ;
+#include "support/daemon.hpp"
 
 namespace {
 
@@ -25,68 +19,36 @@ using namespace elastrun::rdzv;
 using namespace std::chrono_literals;
 using elastrun::rdzv::protocol::Status;
 
-int run(std::vector<std::string> args) {
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  if (posix_spawnp(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0) return -1;
-  int status = 0;
-  waitpid(pid, &status, 0);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
 class Munged : public testing::Environment {
  public:
   static inline std::string socket;
 
   void SetUp() override {
-    dir_ = std::filesystem::temp_directory_path() / ("elastrun-munge-" + std::to_string(getpid()));
-    std::filesystem::create_directories(dir_);
-    socket = (dir_ / "sock").string();
-    auto key = (dir_ / "key").string();
-    if (run({"mungekey", "--create", "--keyfile=" + key}) != 0) {
-      std::fprintf(stderr, "FAIL: mungekey could not create %s (install munge)\n", key.c_str());
-      std::exit(1);
-    }
-    std::vector<std::string> args{"munged", "--foreground", "--force", "--socket=" + socket,
-                                  "--key-file=" + key, "--pid-file=" + (dir_ / "pid").string(),
-                                  "--log-file=" + (dir_ / "log").string(),
-                                  "--seed-file=" + (dir_ / "seed").string()};
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    if (posix_spawnp(&pid_, "munged", nullptr, nullptr, argv.data(), environ) != 0) {
-      std::fprintf(stderr, "FAIL: cannot start munged\n");
-      std::exit(1);
-    }
-    AuthConfig probe{AuthKind::Munge, "", socket};
-    for (int i = 0; i < 200; ++i) {
-      try {
-        make_credential(probe, "probe");
-        return;
-      } catch (const AuthError&) {
-        std::this_thread::sleep_for(50ms);
-      }
-    }
-    std::fprintf(stderr, "FAIL: munged did not answer on %s\n", socket.c_str());
-    std::exit(1);
-  }
-
-  void TearDown() override {
-    if (pid_ > 0) {
-      kill(pid_, SIGTERM);
-      waitpid(pid_, nullptr, 0);
-    }
-    std::filesystem::remove_all(dir_);
+    using elastrun::testing_support::Daemon;
+    socket = (munged_.dir() / "sock").string();
+    const auto key = (munged_.dir() / "key").string();
+    if (elastrun::testing_support::run_command({"mungekey", "--create", "--keyfile=" + key}) != 0)
+      Daemon::die("mungekey could not create " + key + " (install munge)");
+    munged_.start({"munged", "--foreground", "--force", "--socket=" + socket, "--key-file=" + key,
+                   "--pid-file=" + (munged_.dir() / "pid").string(),
+                   "--log-file=" + (munged_.dir() / "log").string(),
+                   "--seed-file=" + (munged_.dir() / "seed").string()},
+                  [] {
+                    try {
+                      make_credential(AuthConfig{AuthKind::Munge, "", socket}, "probe");
+                      return true;
+                    } catch (const AuthError&) {
+                      return false;
+                    }
+                  });
   }
 
  private:
-  pid_t pid_ = -1;
-  std::filesystem::path dir_;
+  elastrun::testing_support::Daemon munged_{"munge"};
 };
 
-const auto* const kMunged = testing::AddGlobalTestEnvironment(new Munged);
+// gtest takes ownership of environments through a raw pointer.
+const auto* const kMunged = testing::AddGlobalTestEnvironment(std::make_unique<Munged>().release());
 
 AuthConfig munge() { return {AuthKind::Munge, "", Munged::socket}; }
 
