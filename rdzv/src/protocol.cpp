@@ -107,6 +107,15 @@ void BodyReader::expect_end() const {
     throw ProtocolError(fmt::format("{} trailing bytes after the body", body_.size() - pos_));
 }
 
+std::string BodyWriter::finish_frame(FrameHeader h) && {
+  if (!framed_) throw ProtocolError("finish_frame() on a writer not made by for_frame()");
+  std::string header = encode_frame(h, std::string_view(bytes_).substr(0, 0));
+  const auto body_length = static_cast<std::uint32_t>(bytes_.size() - kHeaderBytes);
+  for (std::size_t i = 0; i < 4; ++i) header[12 + i] = static_cast<char>((body_length >> (8 * i)) & 0xff);
+  bytes_.replace(0, kHeaderBytes, header);
+  return std::move(bytes_);
+}
+
 std::string encode_frame(const FrameHeader& h, std::string_view body) {
   std::string out;
   out.reserve(kHeaderBytes + body.size());

@@ -226,7 +226,7 @@ const RoundResult& Rendezvous::next_round() {
       if (e.status() == protocol::Status::NoSuchLease) {
         // Our lease died while we were not looking: we are fenced; rejoin as a new member.
         fenced_ = true;
-      } else if (e.status() == protocol::Status::ConnectionLost && connector_ && (!round_.members.empty() || !standbys_.empty())) {
+      } else if (e.status() == protocol::Status::ConnectionLost && connector_ && (round_.generation > 0 || !standbys_.empty())) {
         spdlog::warn("[rdzv] {}", e.what());
         store_lost_ = true;
       } else {
@@ -267,7 +267,7 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
   }
   while (true) {
     if (roster) {
-      if (roster_has(*roster, me_)) return finish_round(gen, *roster, rev);
+      if (roster_has(*roster, me_)) return finish_round(gen, std::move(*roster), rev);
       kv_->remove(round + "join/" + my_key_);
       wait_as_late_joiner(gen);
       return std::nullopt;
@@ -351,35 +351,42 @@ void Rendezvous::wait_as_late_joiner(std::uint64_t gen) {
   kv_->remove(waiting);
 }
 
-RoundResult Rendezvous::finish_round(std::uint64_t gen, const std::string& roster, std::uint64_t revision) {
+RoundResult Rendezvous::finish_round(std::uint64_t gen, std::string roster, std::uint64_t revision) {
   RoundResult r;
   r.generation = gen;
-  std::size_t mine = 0;
-  r.members.reserve(static_cast<std::size_t>(std::count(roster.begin(), roster.end(), '\n') + 1));
+  // One pass over the lines, fields as views: no per-member allocation.
+  const std::string_view my_role = me_.role == "default" ? std::string_view() : std::string_view(me_.role);
   for_each_line(roster, [&](std::string_view line) {
-    auto m = member_from(line);
-    if (m.node_name == me_.node_name && m.node_index == me_.node_index && m.het_component == me_.het_component)
-      mine = r.members.size();
-    r.members.push_back(std::move(m));
-  });
-  r.group_world_size = static_cast<int>(r.members.size());
-  for (int i = 0; i < r.group_world_size; ++i) {
-    const auto& m = r.members[static_cast<std::size_t>(i)];
-    if (static_cast<std::size_t>(i) == mine) {
-      r.group_rank = i;
+    auto f = split_member(line);
+    const int nproc = static_cast<int>(to_i64(f[4]).value_or(1));
+    if (r.group_world_size == 0) {
+      r.master_addr = std::string(f[3]);
+      r.master_port = static_cast<std::uint16_t>(to_i64(f[7]).value_or(0));
+    }
+    if (f[2] == me_.node_name && to_i64(f[1]) == me_.node_index && to_i64(f[0]) == me_.het_component) {
+      r.group_rank = r.group_world_size;
       r.rank_offset = r.world_size;
       r.role_rank_offset = r.role_world_size;
     }
-    r.world_size += m.nproc;
-    if (m.role == me_.role) r.role_world_size += m.nproc;
-  }
-  r.master_addr = r.members.front().address;
-  r.master_port = r.members.front().master_port;
+    ++r.group_world_size;
+    r.world_size += nproc;
+    if (f[5] == my_role) r.role_world_size += nproc;
+  });
+  r.roster = std::move(roster);
   // Changes after the roster concern the running round.
   watch_revision_ = revision;
   spdlog::info("[rdzv] round {} complete: {} nodes, {} workers, this node is group rank {}", gen,
                r.group_world_size, r.world_size, r.group_rank);
   return r;
+}
+
+const std::vector<MemberInfo>& RoundResult::members() const {
+  if (!parsed_members_) {
+    std::vector<MemberInfo> out;
+    for_each_line(roster, [&](std::string_view line) { out.push_back(member_from(line)); });
+    parsed_members_ = std::move(out);
+  }
+  return *parsed_members_;
 }
 
 // The store is gone (its host died). Every member of the last round runs a standby store; the
@@ -392,7 +399,7 @@ void Rendezvous::fail_over() {
   std::string last_error = "no member of the last round runs a standby store";
   while (Clock::now() < deadline) {
     // The last round's members, or (in the wait list) those of the round we waited for.
-    for (const auto& m : round_.members.empty() ? standbys_ : round_.members) {
+    for (const auto& m : round_.generation == 0 ? standbys_ : round_.members()) {
       if (m.store_port == 0) continue;
       try {
         auto kv = connector_(m.address, m.store_port);
@@ -454,8 +461,8 @@ Change Rendezvous::wait_for_change(Millis timeout) {
           fenced_ = true;
           return Change::Fenced;
         }
-        for (const auto& m : round_.members)
-          if (m.sort_key() == who && who != my_key_) {
+        for (const auto& m : round_.members())
+          if (m.sort_key() == who) {
             spdlog::warn("[rdzv] member {} (node {}) lost", who, m.node_name);
             return Change::MemberLost;
           }

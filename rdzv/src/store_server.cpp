@@ -237,9 +237,31 @@ struct StoreServer::Impl {
     auto it = connections.find(id);
     if (it == connections.end()) return;
     auto& c = it->second;
-    c.output += encode_frame({.op = req.op, .status = status, .flags = 0,
-                              .request_id = req.request_id, .body_length = 0},
-                             body);
+    auto frame = encode_frame({.op = req.op, .status = status, .flags = 0,
+                               .request_id = req.request_id, .body_length = 0},
+                              body);
+    // Usually nothing is pending: take the frame as the buffer instead of copying it (a roster
+    // goes to every member at once; each copy is first-touched memory).
+    if (c.output.empty()) c.output = std::move(frame);
+    else c.output += frame;
+    if (c.output.size() > options.max_pending_output) {
+      spdlog::warn("[store] {} does not read its responses ({} bytes pending); closing", c.peer,
+                   c.output.size());
+      close_connection(id, "not reading");
+      return;
+    }
+    flush(id);
+  }
+
+  // Queues a response built with BodyWriter::for_frame() (no copy of a large body).
+  void queue_framed(std::uint64_t id, const Request& req, Status status, BodyWriter&& body) {
+    auto it = connections.find(id);
+    if (it == connections.end()) return;
+    auto frame = std::move(body).finish_frame({.op = req.op, .status = status, .flags = 0,
+                                               .request_id = req.request_id, .body_length = 0});
+    auto& c = it->second;
+    if (c.output.empty()) c.output = std::move(frame);
+    else c.output += frame;
     if (c.output.size() > options.max_pending_output) {
       spdlog::warn("[store] {} does not read its responses ({} bytes pending); closing", c.peer,
                    c.output.size());
@@ -488,10 +510,10 @@ struct StoreServer::Impl {
         if (bytes > kMaxResponseBytes / 2) break;  // the watcher asks again from the last revision
       }
     if (matching.empty()) return false;
-    BodyWriter w;
+    auto w = BodyWriter::for_frame();
     w.u64(matching.back()->revision).u32(static_cast<std::uint32_t>(matching.size()));
     for (const auto* e : matching) w.u8(static_cast<std::uint8_t>(e->type)).str(e->key).str(e->value).u64(e->revision);
-    queue(id, req, Status::Ok, w.bytes());
+    queue_framed(id, req, Status::Ok, std::move(w));
     return true;
   }
 

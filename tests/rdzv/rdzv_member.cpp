@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
     for (int done = 0; rounds == 0 || done < rounds; ++done) {
       auto r = rdzv.next_round();
       nlohmann::json members = nlohmann::json::array();
-      for (const auto& m : r.members) members.push_back(m.node_name);
+      for (const auto& m : r.members()) members.push_back(m.node_name);
       emit({{"event", "round"}, {"node", plan.me.node_name}, {"gen", r.generation},
             {"group_rank", r.group_rank}, {"group_world_size", r.group_world_size},
             {"world_size", r.world_size}, {"rank_offset", r.rank_offset}, {"members", members},

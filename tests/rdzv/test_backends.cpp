@@ -243,7 +243,7 @@ TEST_P(Backend, LeavingMemberIsLostAndSurvivorsReform) {
   auto fa2 = std::async(std::launch::async, [&] { return a->next_round(); });
   auto rb = b->next_round();
   EXPECT_EQ(rb.group_world_size, 2);
-  EXPECT_EQ(fa2.get().members.size(), 2u);
+  EXPECT_EQ(fa2.get().members().size(), 2u);
 }
 
 TEST_P(Backend, RestartRequestCloseAndJobWideCounter) {

@@ -84,6 +84,17 @@ struct Frame {
 // Serialises integers and strings into a frame body.
 class BodyWriter {
  public:
+  BodyWriter() = default;
+  // A writer whose buffer starts with room for the frame header, so a large response is
+  // built in place and sent without copying its body into a frame (see finish_frame).
+  static BodyWriter for_frame() {
+    BodyWriter w;
+    w.bytes_.assign(kHeaderBytes, '\0');
+    w.framed_ = true;
+    return w;
+  }
+  // Fills in the header of a for_frame() writer and hands over the whole frame.
+  std::string finish_frame(FrameHeader header) &&;
   BodyWriter& u8(std::uint8_t v);
   BodyWriter& u32(std::uint32_t v);
   BodyWriter& u64(std::uint64_t v);
@@ -94,6 +105,7 @@ class BodyWriter {
 
  private:
   std::string bytes_;
+  bool framed_ = false;
 };
 
 // Reads a frame body; every read is bounds-checked and throws ProtocolError when short.

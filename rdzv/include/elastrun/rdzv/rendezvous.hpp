@@ -56,7 +56,11 @@ struct MemberInfo {
 
 struct RoundResult {
   std::uint64_t generation = 0;
-  std::vector<MemberInfo> members;  // in group-rank order
+  // The round's members, one line each in group-rank order (format in docs/rendezvous.md).
+  // An agent needs only its own ranks, computed without materialising the list; members()
+  // parses it on first use (at 1024 nodes the parsed copy is ~130 KB per agent).
+  std::string roster;
+  const std::vector<MemberInfo>& members() const;
   int group_rank = 0;
   int group_world_size = 0;
   int rank_offset = 0;  // global rank of this node's first worker
@@ -65,6 +69,9 @@ struct RoundResult {
   int role_world_size = 0;
   std::string master_addr;
   std::uint16_t master_port = 0;
+
+ private:
+  mutable std::optional<std::vector<MemberInfo>> parsed_members_;
 };
 
 enum class Change {
@@ -124,7 +131,7 @@ class Rendezvous {
   void ensure_alive();
   std::optional<RoundResult> try_form(std::uint64_t gen);
   bool try_close(std::uint64_t gen);
-  RoundResult finish_round(std::uint64_t gen, const std::string& roster, std::uint64_t revision);
+  RoundResult finish_round(std::uint64_t gen, std::string roster, std::uint64_t revision);
   void wait_as_late_joiner(std::uint64_t gen);
   void heartbeat_loop();
   void fail_over();
