@@ -233,33 +233,25 @@ struct StoreServer::Impl {
     }
   }
 
-  void queue(std::uint64_t id, const Request& req, Status status, std::string_view body = {}) {
-    auto it = connections.find(id);
-    if (it == connections.end()) return;
-    auto& c = it->second;
-    auto frame = encode_frame({.op = req.op, .status = status, .flags = 0,
-                               .request_id = req.request_id, .body_length = 0},
-                              body);
-    // Usually nothing is pending: take the frame as the buffer instead of copying it (a roster
-    // goes to every member at once; each copy is first-touched memory).
-    if (c.output.empty()) c.output = std::move(frame);
-    else c.output += frame;
-    if (c.output.size() > options.max_pending_output) {
-      spdlog::warn("[store] {} does not read its responses ({} bytes pending); closing", c.peer,
-                   c.output.size());
-      close_connection(id, "not reading");
-      return;
-    }
-    flush(id);
+  static FrameHeader response_header(const Request& req, Status status) {
+    return {.op = req.op, .status = status, .flags = 0, .request_id = req.request_id, .body_length = 0};
   }
 
-  // Queues a response built with BodyWriter::for_frame() (no copy of a large body).
+  void queue(std::uint64_t id, const Request& req, Status status, std::string_view body = {}) {
+    send_frame(id, encode_frame(response_header(req, status), body));
+  }
+
+  // A response built with BodyWriter::for_frame(): a large body is never copied into a frame.
   void queue_framed(std::uint64_t id, const Request& req, Status status, BodyWriter&& body) {
+    send_frame(id, std::move(body).finish_frame(response_header(req, status)));
+  }
+
+  void send_frame(std::uint64_t id, std::string frame) {
     auto it = connections.find(id);
     if (it == connections.end()) return;
-    auto frame = std::move(body).finish_frame({.op = req.op, .status = status, .flags = 0,
-                                               .request_id = req.request_id, .body_length = 0});
     auto& c = it->second;
+    // Usually nothing is pending: take the frame as the buffer instead of copying it (a roster
+    // goes to every member at once; each copy is first-touched memory).
     if (c.output.empty()) c.output = std::move(frame);
     else c.output += frame;
     if (c.output.size() > options.max_pending_output) {
