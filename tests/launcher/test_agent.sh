@@ -19,6 +19,8 @@ case_name=$1
 elastrun=$2
 worker=$3
 work=$(mktemp -d)
+# Agents keep per-run files under $TMPDIR; an agent killed with -9 cannot remove them.
+mkdir -p "$work/tmp" && export TMPDIR="$work/tmp"
 agent_pid=
 cleanup() {
   if [[ -n $agent_pid ]] && kill -0 "$agent_pid" 2>/dev/null; then kill -KILL "$agent_pid" 2>/dev/null; fi

@@ -15,6 +15,8 @@ worker=$1
 TB=$ELASTRUN_TESTBED
 export TESTBED_ID="${TESTBED_ID}-launcher"
 out=$(mktemp -d)
+# Agents keep per-run files under $TMPDIR (srun passes it on); the test removes them.
+mkdir -p "$out/tmp" && export TMPDIR="$out/tmp"
 chmod 755 "$out"
 srun_pid=
 
