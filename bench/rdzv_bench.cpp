@@ -15,6 +15,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <string_view>
 #include <chrono>
 #include <future>
 #include <thread>
@@ -36,7 +39,7 @@ double ms_since(Clock::time_point t) {
 
 // Time from the first join to every member holding the round result. max = N, so the round
 // closes as soon as the last member joins (no last-call wait in the figure).
-double round_time_ms(int members) {
+double round_time_ms(int members, bool detail = false) {
   StoreServerOptions o;
   o.bind_address = "127.0.0.1";
   o.run_id = "bench";
@@ -59,16 +62,49 @@ double round_time_ms(int members) {
   std::promise<void> go;
   std::shared_future<void> start = go.get_future().share();
   std::vector<std::future<void>> done;
-  for (auto& r : rdzv)
-    done.push_back(std::async(std::launch::async, [&r, start] {
+  std::vector<double> finished(rdzv.size());
+  Clock::time_point t0;
+  // Threads stay alive until every member has its result: 1024 thread exits inside the
+  // measured window would cost 1024 stack unmaps with cross-CPU TLB flushes, an artefact of
+  // simulating 1024 nodes in one process.
+  std::promise<void> all_done;
+  std::shared_future<void> release = all_done.get_future().share();
+  std::atomic<int> remaining{members};
+  std::promise<void> last;
+  for (std::size_t i = 0; i < rdzv.size(); ++i)
+    done.push_back(std::async(std::launch::async, [&, i, start, release] {
       start.wait();
-      r->next_round();
+      std::exception_ptr error;
+      try {
+        rdzv[i]->next_round();
+      } catch (...) {
+        error = std::current_exception();  // rethrown by get() below, after the others finish
+      }
+      finished[i] = ms_since(t0);
+      if (remaining.fetch_sub(1) == 1) last.set_value();
+      release.wait();
+      if (error) std::rethrow_exception(error);
     }));
   std::this_thread::sleep_for(200ms);  // let every thread reach the start line
-  auto t0 = Clock::now();
+  rusage before{}, after{};
+  getrusage(RUSAGE_SELF, &before);
+  t0 = Clock::now();
   go.set_value();
+  last.get_future().wait();
+  const double total = ms_since(t0);
+  getrusage(RUSAGE_SELF, &after);
+  all_done.set_value();
   for (auto& f : done) f.get();
-  return ms_since(t0);
+  if (detail) {
+    std::sort(finished.begin(), finished.end());
+    auto cpu_ms = [](const rusage& u) {
+      return (u.ru_utime.tv_sec + u.ru_stime.tv_sec) * 1e3 + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e3;
+    };
+    fmt::print("  members done: first {:.1f} ms, median {:.1f} ms, last {:.1f} ms; cpu {:.0f} ms, {} minor faults\n",
+               finished.front(), finished[finished.size() / 2], finished.back(), cpu_ms(after) - cpu_ms(before),
+               after.ru_minflt - before.ru_minflt);
+  }
+  return total;
 }
 
 struct Proc {
@@ -149,6 +185,13 @@ int main(int argc, char** argv) {
   getrlimit(RLIMIT_NOFILE, &lim);
   lim.rlim_cur = lim.rlim_max;
   setrlimit(RLIMIT_NOFILE, &lim);
+  // `rdzv_bench --round N [runs]`: only the round-formation figure for N members (profiling).
+  if (argc > 2 && std::string_view(argv[1]) == "--round") {
+    const int n = std::atoi(argv[2]);
+    const int runs = argc > 3 ? std::atoi(argv[3]) : 3;
+    for (int i = 0; i < runs; ++i) fmt::print("round complete, {} members: {:.1f} ms\n", n, round_time_ms(n, true));
+    return 0;
+  }
   std::string member_exe = argc > 1 ? argv[1] : "build/bin/rdzv_member";
 
   fmt::print("elastrun rendezvous benchmark ({} cores)\n", std::thread::hardware_concurrency());

@@ -97,10 +97,11 @@ std::string_view BodyReader::take(std::size_t n) {
 std::uint8_t BodyReader::u8() { return static_cast<std::uint8_t>(take(1)[0]); }
 std::uint32_t BodyReader::u32() { return get_le<std::uint32_t>(take(4)); }
 std::uint64_t BodyReader::u64() { return get_le<std::uint64_t>(take(8)); }
-std::string BodyReader::str(std::size_t max_bytes) {
+std::string BodyReader::str(std::size_t max_bytes) { return std::string(str_view(max_bytes)); }
+std::string_view BodyReader::str_view(std::size_t max_bytes) {
   auto n = u32();
   if (n > max_bytes) throw ProtocolError(fmt::format("string of {} bytes exceeds {}", n, max_bytes));
-  return std::string(take(n));
+  return take(n);
 }
 void BodyReader::expect_end() const {
   if (pos_ != body_.size())
@@ -109,26 +110,45 @@ void BodyReader::expect_end() const {
 
 std::string BodyWriter::finish_frame(FrameHeader h) && {
   if (!framed_) throw ProtocolError("finish_frame() on a writer not made by for_frame()");
-  std::string header = encode_frame(h, std::string_view(bytes_).substr(0, 0));
-  const auto body_length = static_cast<std::uint32_t>(bytes_.size() - kHeaderBytes);
-  for (std::size_t i = 0; i < 4; ++i) header[12 + i] = static_cast<char>((body_length >> (8 * i)) & 0xff);
-  bytes_.replace(0, kHeaderBytes, header);
+  bytes_.replace(0, kHeaderBytes, encode_header(h, bytes_.size() - kHeaderBytes));
   return std::move(bytes_);
 }
 
-std::string encode_frame(const FrameHeader& h, std::string_view body) {
+std::string encode_header(const FrameHeader& h, std::size_t body_length) {
   std::string out;
-  out.reserve(kHeaderBytes + body.size());
+  out.reserve(kHeaderBytes + body_length);
   put_le(out, kMagic);
   out.push_back(static_cast<char>(kVersion));
   out.push_back(static_cast<char>(h.op));
   out.push_back(static_cast<char>(h.status));
   out.push_back(static_cast<char>(h.flags));
   put_le(out, h.request_id);
-  put_le(out, static_cast<std::uint32_t>(body.size()));
+  put_le(out, static_cast<std::uint32_t>(body_length));
+  return out;
+}
+
+std::string encode_frame(const FrameHeader& h, std::string_view body) {
+  std::string out = encode_header(h, body.size());
   out.append(body);
   return out;
 }
+
+std::span<char> FrameDecoder::write_area(std::size_t min_bytes) {
+  std::size_t want = min_bytes;
+  const std::size_t pending = buffer_.size() - consumed_;
+  if (pending >= kHeaderBytes) {
+    // The header is here: room for the rest of this frame (bounded by the body limit, which
+    // next() enforces with a clear error).
+    std::string_view header(buffer_.data() + consumed_, kHeaderBytes);
+    const std::size_t frame = kHeaderBytes + std::min<std::size_t>(get_le<std::uint32_t>(header.substr(12)), max_body_);
+    if (frame > pending) want = std::max(want, frame - pending);
+  }
+  area_start_ = buffer_.size();
+  buffer_.resize(area_start_ + want);
+  return {buffer_.data() + area_start_, want};
+}
+
+void FrameDecoder::commit(std::size_t n) { buffer_.resize(area_start_ + n); }
 
 std::optional<Frame> FrameDecoder::next() {
   std::string_view pending(buffer_);

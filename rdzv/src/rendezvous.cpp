@@ -80,12 +80,6 @@ MemberInfo member_from(std::string_view line) {
   return m;
 }
 
-// Is this line the member `me`? (identity = component, node index, node name)
-bool is_member(std::string_view line, const MemberInfo& me) {
-  auto f = split_member(line);
-  return f[2] == me.node_name && to_i64(f[1]) == me.node_index && to_i64(f[0]) == me.het_component;
-}
-
 template <typename F>
 void for_each_line(std::string_view text, F&& f) {
   std::size_t pos = 0;
@@ -97,10 +91,10 @@ void for_each_line(std::string_view text, F&& f) {
   }
 }
 
-bool roster_has(std::string_view roster, const MemberInfo& me) {
-  bool found = false;
-  for_each_line(roster, [&](std::string_view line) { found = found || is_member(line, me); });
-  return found;
+// The start of `me`'s roster line: its identity (component, node index, node name). Comparing
+// line prefixes finds a member without parsing every line's numbers.
+std::string identity_prefix(const MemberInfo& me) {
+  return fmt::format("{}\t{}\t{}\t", me.het_component, me.node_index, me.node_name);
 }
 
 }  // namespace
@@ -267,7 +261,7 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
   }
   while (true) {
     if (roster) {
-      if (roster_has(*roster, me_)) return finish_round(gen, std::move(*roster), rev);
+      if (auto result = finish_round(gen, std::move(*roster), rev)) return result;
       kv_->remove(round + "join/" + my_key_);
       wait_as_late_joiner(gen);
       return std::nullopt;
@@ -351,11 +345,14 @@ void Rendezvous::wait_as_late_joiner(std::uint64_t gen) {
   kv_->remove(waiting);
 }
 
-RoundResult Rendezvous::finish_round(std::uint64_t gen, std::string roster, std::uint64_t revision) {
+std::optional<RoundResult> Rendezvous::finish_round(std::uint64_t gen, std::string roster, std::uint64_t revision) {
   RoundResult r;
   r.generation = gen;
-  // One pass over the lines, fields as views: no per-member allocation.
+  // One pass over the lines, fields as views: no per-member allocation. Every member parses
+  // the whole roster, so this is O(N) per member and O(N^2) for a simulated job.
   const std::string_view my_role = me_.role == "default" ? std::string_view() : std::string_view(me_.role);
+  const std::string me = identity_prefix(me_);
+  bool found = false;
   for_each_line(roster, [&](std::string_view line) {
     auto f = split_member(line);
     const int nproc = static_cast<int>(to_i64(f[4]).value_or(1));
@@ -363,7 +360,8 @@ RoundResult Rendezvous::finish_round(std::uint64_t gen, std::string roster, std:
       r.master_addr = std::string(f[3]);
       r.master_port = static_cast<std::uint16_t>(to_i64(f[7]).value_or(0));
     }
-    if (f[2] == me_.node_name && to_i64(f[1]) == me_.node_index && to_i64(f[0]) == me_.het_component) {
+    if (!found && line.starts_with(me)) {
+      found = true;
       r.group_rank = r.group_world_size;
       r.rank_offset = r.world_size;
       r.role_rank_offset = r.role_world_size;
@@ -372,6 +370,7 @@ RoundResult Rendezvous::finish_round(std::uint64_t gen, std::string roster, std:
     r.world_size += nproc;
     if (f[5] == my_role) r.role_world_size += nproc;
   });
+  if (!found) return std::nullopt;  // the round closed without us
   r.roster = std::move(roster);
   // Changes after the roster concern the running round.
   watch_revision_ = revision;
@@ -496,6 +495,29 @@ bool Rendezvous::barrier(std::string_view name, Millis timeout) {
     if (left <= Millis(0)) return false;
     kv_->watch(key, rev, left);
   }
+}
+
+// ---- published records ---------------------------------------------------------------------
+
+bool Rendezvous::publish(std::string_view key, std::string_view value, bool only_if_absent) {
+  const auto full = prefix_ + "pub/" + std::string(key);
+  if (only_if_absent) return kv_->compare_and_set(full, std::nullopt, value);
+  kv_->set(full, value);
+  return true;
+}
+
+std::optional<std::string> Rendezvous::read(std::string_view key) {
+  auto kv = kv_->get(prefix_ + "pub/" + std::string(key));
+  if (!kv) return std::nullopt;
+  return kv->value;
+}
+
+std::vector<std::pair<std::string, std::string>> Rendezvous::read_prefix(std::string_view key_prefix) {
+  const auto base = prefix_ + "pub/";
+  std::vector<std::pair<std::string, std::string>> out;
+  for (auto& kv : kv_->get_prefix(base + std::string(key_prefix)))
+    out.emplace_back(kv.key.substr(base.size()), std::move(kv.value));
+  return out;
 }
 
 }  // namespace elastrun::rdzv

@@ -39,7 +39,6 @@ struct StoreClient::Impl {
 
   Frame receive(std::uint32_t request_id, Millis timeout) {
     auto deadline = std::chrono::steady_clock::now() + timeout;
-    char buf[64 * 1024];
     while (true) {
       std::optional<Frame> frame;
       try {
@@ -59,11 +58,12 @@ struct StoreClient::Impl {
       if (ready < 0 && errno == EINTR) continue;
       if (ready < 0) lost(fmt::format("poll failed: {}", std::strerror(errno)));
       if (ready == 0) continue;
-      ssize_t n = ::recv(fd.get(), buf, sizeof buf, 0);
+      auto area = decoder.write_area();
+      ssize_t n = ::recv(fd.get(), area.data(), area.size(), 0);
+      decoder.commit(n > 0 ? static_cast<std::size_t>(n) : 0);
       if (n < 0 && errno == EINTR) continue;
       if (n == 0) lost("connection closed by the store");
       if (n < 0) lost(fmt::format("recv failed: {}", std::strerror(errno)));
-      decoder.feed(buf, static_cast<std::size_t>(n));
     }
   }
 
@@ -219,13 +219,29 @@ std::vector<WatchEvent> StoreClient::watch(std::string_view prefix, std::uint64_
   auto n = in.u32();
   std::vector<WatchEvent> events;
   events.reserve(n);
+  std::string_view last_value;
   for (std::uint32_t i = 0; i < n; ++i) {
     WatchEvent e;
     e.type = in.u8() == 0 ? WatchEvent::Type::Put : WatchEvent::Type::Delete;
     e.key = in.str(kMaxKeyBytes);
-    e.value = in.str(kMaxValueBytes);
+    last_value = in.str_view(kMaxValueBytes);
+    if (i + 1 < n) e.value = std::string(last_value);
     e.revision = in.u64();
     events.push_back(std::move(e));
+  }
+  if (n > 0) {
+    if (last_value.size() < 4096) {
+      events.back().value = std::string(last_value);
+    } else {
+      // A large value (a roster) becomes the response's own buffer, trimmed in place: no
+      // second copy of it in freshly touched memory.
+      const auto offset = static_cast<std::size_t>(last_value.data() - f.body.data());
+      const auto length = last_value.size();
+      std::string owned = std::move(f.body);
+      owned.erase(0, offset);
+      owned.resize(length);
+      events.back().value = std::move(owned);
+    }
   }
   return events;
 }

@@ -3,6 +3,7 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <arpa/inet.h>
@@ -14,6 +15,7 @@
 #include <deque>
 #include <future>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <system_error>
@@ -33,11 +35,19 @@ namespace {
 constexpr std::uint64_t kListenerId = 0;
 constexpr std::uint64_t kWakeId = 1;
 
+// Bytes waiting to be sent. Watch answers share one body between every watcher that asked for
+// the same changes (a roster reaches all members at once), so chunks are reference-counted.
+struct OutChunk {
+  std::shared_ptr<const std::string> bytes;
+  std::size_t offset = 0;
+};
+
 struct Connection {
   UniqueFd fd;
   std::string peer;
   FrameDecoder decoder;
-  std::string output;
+  std::deque<OutChunk> output;
+  std::size_t output_bytes = 0;
   bool authenticated = false;
   bool close_after_flush = false;
   bool want_write = false;
@@ -93,6 +103,7 @@ struct StoreServer::Impl {
   std::deque<WatchEvent> history;
   std::uint64_t compacted_through = 0;  // events up to this revision were dropped
   std::vector<Parked> parked;
+  Clock::time_point next_due{};  // no lease or parked request is due before this
   std::uint64_t refused_auth = 0;
   std::uint64_t protocol_errors = 0;
 
@@ -152,11 +163,7 @@ struct StoreServer::Impl {
   }
 
   int next_timeout_ms() const {
-    auto next = Clock::now() + Millis(1000);
-    for (const auto& [id, lease] : leases)
-      next = std::min(next, lease.confirming ? Clock::now() + Millis(20) : lease.deadline);
-    for (const auto& p : parked) next = std::min(next, p.deadline);
-    auto ms = std::chrono::ceil<Millis>(next - Clock::now()).count();
+    auto ms = std::chrono::ceil<Millis>(next_due - Clock::now()).count();
     return static_cast<int>(std::clamp<long long>(ms, 0, 1000));
   }
 
@@ -247,16 +254,20 @@ struct StoreServer::Impl {
   }
 
   void send_frame(std::uint64_t id, std::string frame) {
+    send_chunks(id, {std::make_shared<const std::string>(std::move(frame))});
+  }
+
+  void send_chunks(std::uint64_t id, std::initializer_list<std::shared_ptr<const std::string>> chunks) {
     auto it = connections.find(id);
     if (it == connections.end()) return;
     auto& c = it->second;
-    // Usually nothing is pending: take the frame as the buffer instead of copying it (a roster
-    // goes to every member at once; each copy is first-touched memory).
-    if (c.output.empty()) c.output = std::move(frame);
-    else c.output += frame;
-    if (c.output.size() > options.max_pending_output) {
+    for (const auto& chunk : chunks) {
+      c.output_bytes += chunk->size();
+      c.output.push_back({chunk, 0});
+    }
+    if (c.output_bytes > options.max_pending_output) {
       spdlog::warn("[store] {} does not read its responses ({} bytes pending); closing", c.peer,
-                   c.output.size());
+                   c.output_bytes);
       close_connection(id, "not reading");
       return;
     }
@@ -268,9 +279,27 @@ struct StoreServer::Impl {
     if (it == connections.end()) return;
     auto& c = it->second;
     while (!c.output.empty()) {
-      ssize_t n = ::send(c.fd.get(), c.output.data(), c.output.size(), MSG_NOSIGNAL);
+      std::array<iovec, 16> iov{};
+      std::size_t n_iov = 0;
+      for (auto chunk = c.output.begin(); chunk != c.output.end() && n_iov < iov.size(); ++chunk, ++n_iov)
+        iov[n_iov] = {const_cast<char*>(chunk->bytes->data() + chunk->offset), chunk->bytes->size() - chunk->offset};
+      msghdr msg{};
+      msg.msg_iov = iov.data();
+      msg.msg_iovlen = n_iov;
+      ssize_t n = ::sendmsg(c.fd.get(), &msg, MSG_NOSIGNAL);
       if (n > 0) {
-        c.output.erase(0, static_cast<std::size_t>(n));
+        auto sent = static_cast<std::size_t>(n);
+        c.output_bytes -= sent;
+        while (sent > 0) {
+          auto& front = c.output.front();
+          const auto left = front.bytes->size() - front.offset;
+          if (sent < left) {
+            front.offset += sent;
+            break;
+          }
+          sent -= left;
+          c.output.pop_front();
+        }
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
@@ -329,6 +358,7 @@ struct StoreServer::Impl {
         auto& lease = leases[lease_id];
         lease.ttl = Millis(req.timeout_ms);
         lease.deadline = Clock::now() + lease.ttl;
+        next_due = std::min(next_due, lease.deadline);
         lease.owner = id;
         lease.holder = req.value;
         c.owned_leases.insert(lease_id);
@@ -471,7 +501,7 @@ struct StoreServer::Impl {
 
   void op_wait(std::uint64_t id, const Request& req) {
     if (all_exist(req.keys)) return queue(id, req, Status::Ok);
-    parked.push_back({id, req, Clock::now() + Millis(req.timeout_ms)});
+    park(id, req);
   }
 
   bool all_exist(const std::vector<std::string>& keys) const {
@@ -485,27 +515,39 @@ struct StoreServer::Impl {
       return queue(id, req, Status::Compacted,
                    BodyWriter().u64(revision).u32(0).bytes());
     }
-    if (!answer_watch(id, req)) parked.push_back({id, req, Clock::now() + Millis(req.timeout_ms)});
+    if (!answer_watch(id, req)) park(id, req);
   }
 
   // Sends the events after req.revision under req.key; false if there are none yet.
-  bool answer_watch(std::uint64_t id, const Request& req) {
-    std::vector<const WatchEvent*> matching;
-    // History is ordered by revision: skip what the watcher has already seen.
-    auto first = std::lower_bound(history.begin(), history.end(), req.revision + 1,
-                                  [](const WatchEvent& e, std::uint64_t r) { return e.revision < r; });
-    std::size_t bytes = 0;
-    for (auto it = first; it != history.end(); ++it)
-      if (it->key.starts_with(req.key)) {
-        matching.push_back(&*it);
-        bytes += it->key.size() + it->value.size() + 32;
-        if (bytes > kMaxResponseBytes / 2) break;  // the watcher asks again from the last revision
-      }
-    if (matching.empty()) return false;
-    auto w = BodyWriter::for_frame();
-    w.u64(matching.back()->revision).u32(static_cast<std::uint32_t>(matching.size()));
-    for (const auto* e : matching) w.u8(static_cast<std::uint8_t>(e->type)).str(e->key).str(e->value).u64(e->revision);
-    queue_framed(id, req, Status::Ok, std::move(w));
+  // A watch answer's body, keyed by what the watcher asked (prefix, revision): watchers that
+  // asked the same get the same bytes.
+  using WatchBodies = std::map<std::pair<std::string, std::uint64_t>, std::shared_ptr<const std::string>>;
+
+  bool answer_watch(std::uint64_t id, const Request& req, WatchBodies* shared = nullptr) {
+    std::shared_ptr<const std::string> body;
+    if (shared)
+      if (auto it = shared->find({req.key, req.revision}); it != shared->end()) body = it->second;
+    if (!body) {
+      std::vector<const WatchEvent*> matching;
+      // History is ordered by revision: skip what the watcher has already seen.
+      auto first = std::lower_bound(history.begin(), history.end(), req.revision + 1,
+                                    [](const WatchEvent& e, std::uint64_t r) { return e.revision < r; });
+      std::size_t bytes = 0;
+      for (auto it = first; it != history.end(); ++it)
+        if (it->key.starts_with(req.key)) {
+          matching.push_back(&*it);
+          bytes += it->key.size() + it->value.size() + 32;
+          if (bytes > kMaxResponseBytes / 2) break;  // the watcher asks again from the last revision
+        }
+      if (matching.empty()) return false;
+      BodyWriter w;
+      w.u64(matching.back()->revision).u32(static_cast<std::uint32_t>(matching.size()));
+      for (const auto* e : matching) w.u8(static_cast<std::uint8_t>(e->type)).str(e->key).str(e->value).u64(e->revision);
+      body = std::make_shared<const std::string>(w.take());
+      if (shared) shared->emplace(std::make_pair(req.key, req.revision), body);
+    }
+    auto header = std::make_shared<const std::string>(encode_header(response_header(req, Status::Ok), body->size()));
+    send_chunks(id, {std::move(header), std::move(body)});
     return true;
   }
 
@@ -532,9 +574,10 @@ struct StoreServer::Impl {
       if (done) ready.push_back(p);
       return done;
     });
+    WatchBodies bodies;
     for (const auto& p : ready) {
       if (p.request.op == Op::Wait) queue(p.connection, p.request, Status::Ok);
-      else answer_watch(p.connection, p.request);
+      else answer_watch(p.connection, p.request, &bodies);
     }
   }
 
@@ -549,7 +592,23 @@ struct StoreServer::Impl {
     for (const auto& k : keys) erase_key(k);
   }
 
+  void park(std::uint64_t id, const Request& req) {
+    parked.push_back({id, req, Clock::now() + Millis(req.timeout_ms)});
+    next_due = std::min(next_due, parked.back().deadline);
+  }
+
+  // Scans leases and parked requests only when the earliest deadline may have passed: with
+  // 1024 members a scan per epoll wake-up made the event loop O(N) per request.
   void expire(Clock::time_point now) {
+    if (now < next_due) return;
+    next_due = now + Millis(1000);
+    for (const auto& [id, lease] : leases) {
+      if (!lease.confirming) next_due = std::min(next_due, lease.deadline);
+      else if (lease.confirming->wait_for(Millis(0)) == std::future_status::ready) next_due = now;
+      else next_due = std::min(next_due, now + Millis(20));  // look again for Slurm's answer
+    }
+    for (const auto& p : parked) next_due = std::min(next_due, p.deadline);
+    if (now < next_due) return;  // keep-alives moved every deadline later
     std::vector<std::uint64_t> dead;
     for (auto& [id, lease] : leases) {
       if (lease.confirming) {
@@ -578,6 +637,7 @@ struct StoreServer::Impl {
     });
     for (const auto& p : timed_out)
       queue(p.connection, p.request, Status::Timeout, p.request.op == Op::Watch ? BodyWriter().u64(revision).u32(0).bytes() : std::string());
+    next_due = now;  // deadlines changed above (grace, confirmations): recompute on the next pass
   }
 
   void publish_stats() {

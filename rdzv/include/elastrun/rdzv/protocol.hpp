@@ -12,6 +12,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -117,6 +118,7 @@ class BodyReader {
   std::uint64_t u64();
   std::int64_t i64() { return static_cast<std::int64_t>(u64()); }
   std::string str(std::size_t max_bytes);
+  std::string_view str_view(std::size_t max_bytes);  // valid as long as the body is
   void expect_end() const;  // trailing bytes are a protocol error too
 
  private:
@@ -126,12 +128,21 @@ class BodyReader {
 };
 
 std::string encode_frame(const FrameHeader& header, std::string_view body);
+// Just the header of a frame whose body (of `body_length` bytes) is sent separately; the
+// returned string has capacity for the body should the caller append it.
+std::string encode_header(const FrameHeader& header, std::size_t body_length);
 
 // Incremental decoder: feed it bytes as they arrive, pop whole frames.
 class FrameDecoder {
  public:
   explicit FrameDecoder(std::size_t max_body = kMaxBodyBytes) : max_body_(max_body) {}
   void feed(const char* data, std::size_t n) { buffer_.append(data, n); }
+  // Receive straight into the decoder (no intermediate copy): recv() into write_area(), then
+  // commit() the bytes received. The area is as large as the pending frame still needs (at
+  // least `min_bytes` while its header is incomplete), so a large response is read at its
+  // final place in one pass.
+  std::span<char> write_area(std::size_t min_bytes = 4096);
+  void commit(std::size_t n);
   // Returns the next complete frame, std::nullopt if more bytes are needed; throws
   // ProtocolError on a bad magic, version or op, or a body longer than the limit.
   std::optional<Frame> next();
@@ -140,6 +151,7 @@ class FrameDecoder {
  private:
   std::string buffer_;
   std::size_t consumed_ = 0;
+  std::size_t area_start_ = 0;  // where the last write_area() began
   std::size_t max_body_;
 };
 

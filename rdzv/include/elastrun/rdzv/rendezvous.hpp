@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "elastrun/rdzv/kv.hpp"
@@ -131,7 +132,8 @@ class Rendezvous {
   void ensure_alive();
   std::optional<RoundResult> try_form(std::uint64_t gen);
   bool try_close(std::uint64_t gen);
-  RoundResult finish_round(std::uint64_t gen, std::string roster, std::uint64_t revision);
+  // The round's result for this member, std::nullopt if the roster does not include us.
+  std::optional<RoundResult> finish_round(std::uint64_t gen, std::string roster, std::uint64_t revision);
   void wait_as_late_joiner(std::uint64_t gen);
   void heartbeat_loop();
   void fail_over();
@@ -154,6 +156,15 @@ class Rendezvous {
   RoundResult round_;
   std::vector<MemberInfo> standbys_;  // wait list: the running round's members, for failover
   std::uint64_t watch_revision_ = 0;
+
+ public:
+  // Small job-wide records (failure reports, stop requests), under "<prefix>pub/". They live as
+  // long as the store; after a failover to a standby store earlier records are gone.
+  // Sets `key`; with `only_if_absent` only the first writer wins. True if this call wrote it.
+  bool publish(std::string_view key, std::string_view value, bool only_if_absent = false);
+  std::optional<std::string> read(std::string_view key);
+  // Every record whose key starts with `key_prefix`: (key, value) in key order.
+  std::vector<std::pair<std::string, std::string>> read_prefix(std::string_view key_prefix);
 };
 
 }  // namespace elastrun::rdzv
