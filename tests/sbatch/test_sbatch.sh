@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The job scripts in sbatch/ submitted with sbatch on the testbed, running the launcher's test
+# worker (it writes its environment as rank<R>.gen<G>.json):
+#   elastic  sbatch/elastic.sbatch on 4 nodes -> 8 workers, ranks in node order, exit 0
+#   het      sbatch/het.sbatch (1 node x 1 worker + 2 nodes x 2 workers) -> 5 global ranks,
+#            component 0 first
+#   usage    sbatch/elastic.sbatch without a program -> the job fails with a usage line
+#   node_loss  (private testbed) elastic.sbatch, then `kill-node n3` mid-run -> the job keeps
+#            its allocation (#SBATCH --no-kill), the survivors finish with WORLD_SIZE 6 and the
+#            job ends COMPLETED with exit code 0
+# Usage: test_sbatch.sh CASE path/to/launcher_test_worker
+# Environment: SLURM_CONF etc. of the shared testbed (ELASTRUN_TESTBED_ENV), ELASTRUN_BIN, SBATCH_DIR.
+set -euo pipefail
+case_=$1 worker=$2
+out=$(mktemp -d)
+chmod 755 "$out"
+mkdir -p "$out/tmp"
+job= waiter= private=
+cleanup() {
+  local rc=$?
+  [[ -n $job ]] && scancel "$job" 2>/dev/null || true
+  [[ -n $waiter ]] && { kill "$waiter" 2>/dev/null; wait "$waiter" 2>/dev/null; } || true
+  [[ -n $private ]] && { "$ELASTRUN_TESTBED" down >/dev/null || rc=1; }
+  if ((rc != 0)); then
+    for f in "$out"/*.out; do [[ -e $f ]] && { echo "--- $f" >&2; tail -40 "$f" >&2; }; done
+  fi
+  rm -rf "$out"
+  exit "$rc"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+# Submits a script and waits for it; prints the job's exit code. TMPDIR goes with the job so
+# the agents' per-run files land in $out.
+submit() {
+  local script=$1
+  shift
+  local rc=0
+  TMPDIR=$out/tmp TEST_WORKER_OUT_DIR=$out ELASTRUN=$ELASTRUN_BIN/elastrun \
+    timeout 240 sbatch --wait --parsable --chdir="$out" --output="$out/%x-%j.out" "$SBATCH_DIR/$script" "$@" \
+    >"$out/submit.txt" 2>&1 || rc=$?
+  job=
+  echo "$rc"
+}
+
+case $case_ in
+elastic)
+  rc=$(submit elastic.sbatch "$worker")
+  ((rc == 0)) || fail "elastic.sbatch ended with $rc: $(cat "$out/submit.txt")"
+  /usr/bin/python3 - "$out" "$(head -1 "$out/submit.txt")" <<'PY'
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
+job_id = sys.argv[2].split(";")[0].strip()
+assert sorted(int(r["RANK"]) for r in runs) == list(range(8)), runs
+for r in runs:
+    assert r["WORLD_SIZE"] == "8" and r["LOCAL_WORLD_SIZE"] == "2", r
+    assert r["ELASTRUN_NODE"] == ["n1", "n2", "n3", "n4"][int(r["RANK"]) // 2], r
+    assert r["TORCHELASTIC_MAX_RESTARTS"] == "3", r
+    assert r["TORCHELASTIC_RUN_ID"].startswith(job_id), (job_id, r)  # run id from the job id
+print("ok: elastic.sbatch ran 8 workers on 4 nodes in node order")
+PY
+  ;;
+het)
+  rc=$(submit het.sbatch "$worker")
+  ((rc == 0)) || fail "het.sbatch ended with $rc: $(cat "$out/submit.txt")"
+  /usr/bin/python3 - "$out" <<'PY'
+import glob, json, sys
+runs = sorted((json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")), key=lambda r: int(r["RANK"]))
+assert [int(r["RANK"]) for r in runs] == list(range(5)), runs
+assert all(r["WORLD_SIZE"] == "5" for r in runs), runs
+assert runs[0]["LOCAL_WORLD_SIZE"] == "1" and runs[0]["GROUP_RANK"] == "0", runs[0]
+assert all(r["LOCAL_WORLD_SIZE"] == "2" for r in runs[1:]), runs
+assert [r["GROUP_RANK"] for r in runs[1:]] == ["1", "1", "2", "2"], runs
+assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in runs}) == 1, runs
+print("ok: het.sbatch ranks 0..4, component 0 (1 worker) first, then 2 nodes x 2")
+PY
+  ;;
+usage)
+  rc=$(submit elastic.sbatch)
+  ((rc == 2)) || fail "elastic.sbatch without a program ended with $rc, expected 2"
+  grep -q "usage: sbatch" "$out"/elastic-*.out || fail "no usage line in the job output"
+  echo "ok: a missing program fails the job with a usage line"
+  ;;
+node_loss)
+  export TESTBED_ID="${TESTBED_ID}-sbatch"
+  private=1
+  "$ELASTRUN_TESTBED" down >/dev/null 2>&1 || true
+  "$ELASTRUN_TESTBED" up 4
+  eval "$("$ELASTRUN_TESTBED" env)"
+  (TEST_WORKER_SLEEP=120 TEST_WORKER_SLEEP_WORLD_SIZE=8 submit elastic.sbatch "$worker" >"$out/rc.txt") &
+  waiter=$!
+  deadline=$((SECONDS + 120))
+  until [[ $(ls "$out"/rank*.json 2>/dev/null | wc -l) -ge 8 ]]; do
+    ((SECONDS < deadline)) || fail "8 workers did not start"
+    kill -0 "$waiter" 2>/dev/null || fail "the job ended early"
+    sleep 0.5
+  done
+  job=$(head -1 "$out/submit.txt" | cut -d';' -f1)
+  "$ELASTRUN_TESTBED" kill-node n3
+  wait "$waiter"
+  waiter=
+  rc=$(cat "$out/rc.txt")
+  ((rc == 0)) || fail "the job ended with $rc after kill-node n3"
+  state=$(scontrol show job "$job" | grep -o 'JobState=[A-Z]*')
+  [[ $state == JobState=COMPLETED ]] || fail "job $job: $state, expected COMPLETED"
+  job=
+  /usr/bin/python3 - "$out" <<'PY'
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
+six = sorted((r for r in runs if r["WORLD_SIZE"] == "6"), key=lambda r: int(r["RANK"]))
+assert [int(r["RANK"]) for r in six] == list(range(6)), runs
+assert [r["ELASTRUN_NODE"] for r in six] == ["n1", "n1", "n2", "n2", "n4", "n4"], six
+print("ok: after kill-node n3 the job finished on n1 n2 n4 with WORLD_SIZE 6 and ended COMPLETED")
+PY
+  ;;
+*) fail "unknown case $case_" ;;
+esac
