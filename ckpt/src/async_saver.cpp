@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "internal.hpp"
 #include "writers.hpp"
 
 namespace elastrun::ckpt {
@@ -58,6 +59,9 @@ void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
     return;
   }
   try {
+    detail::fault_point("async.snapshot", comm_.rank());
+    // Replicated tensors' fingerprints come from the whole tensors, which are not staged.
+    job.fingerprints = detail::replica_fingerprints(tensors, options_.check_replicas);
     for (const auto& tensor : tensors) {
       // Only the bytes this rank will write: its slice, or its piece of a replicated tensor.
       const std::optional<detail::Box> piece = detail::rank_piece(tensor, comm_.rank(), comm_.size());
@@ -78,6 +82,7 @@ void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
     // E.g. out of memory for the staging buffers. Not thrown here either: the other ranks'
     // writers wait for this rank's votes, so the writer thread votes no with this error.
     job.views.clear();
+    job.fingerprints.clear();
     job.error = fmt::format("rank {}: snapshot for step {} failed: {}", comm_.rank(), step, e.what());
   }
   pending_ = std::move(job);
@@ -96,11 +101,12 @@ void AsyncSaver::run(std::stop_token stop) {
     std::exception_ptr error;
     std::optional<SaveResult> result;
     try {
-      if (job.error && options_.layout == Layout::shared_file)
-        throw CheckpointError(*job.error);  // see save_checkpoint_from: collective writes
+      detail::SaveInputs inputs;
+      inputs.source = detail::PieceSource::rank_piece_only;
+      inputs.local_error = job.error ? &*job.error : nullptr;
+      inputs.fingerprints = &job.fingerprints;
       result = detail::save_checkpoint_from(root_, job.step, job.views, job.metadata, comm_,
-                                            options_, detail::PieceSource::rank_piece_only,
-                                            job.error ? &*job.error : nullptr);
+                                            options_, inputs);
     } catch (...) {
       error = std::current_exception();
     }

@@ -19,6 +19,16 @@ class InProcessGroup::Member final : public Communicator {
   int rank_;
 };
 
+std::vector<std::string> Communicator::gather(std::string_view mine) {
+  std::vector<std::string> all = allgather(mine);
+  if (rank() != 0) all.clear();
+  return all;
+}
+
+std::string Communicator::broadcast(std::string_view mine) {
+  return std::move(allgather(rank() == 0 ? mine : std::string_view()).at(0));
+}
+
 InProcessGroup::InProcessGroup(int world_size)
     : world_size_(world_size), slots_(static_cast<std::size_t>(world_size)) {
   if (world_size < 1) throw std::invalid_argument("InProcessGroup: world size must be >= 1");

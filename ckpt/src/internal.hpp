@@ -3,6 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -37,7 +38,47 @@ void copy_box(const std::byte* src, const Shape& src_shape, const Shape& src_sta
 std::optional<Box> replicated_piece(const Shape& shape, int rank, int world_size);
 
 std::uint64_t xxh3(const void* data, std::size_t size);
+
+// Incremental xxh3_64: the digest of the concatenated updates equals xxh3() of all the bytes.
+class Xxh3Stream {
+ public:
+  Xxh3Stream();
+  ~Xxh3Stream();
+  Xxh3Stream(const Xxh3Stream&) = delete;
+  Xxh3Stream& operator=(const Xxh3Stream&) = delete;
+  void update(const void* data, std::size_t size);
+  std::uint64_t digest() const;
+
+ private:
+  void* state_;  // XXH3_state_t, owned
+};
+
+// Splits a C-contiguous box of shape `extent` into C-order runs of at most ~max_bytes: calls
+// chunk(start, count, byte_offset, byte_count) with a sub-box (start/count relative to the
+// box) whose bytes are [byte_offset, byte_offset + byte_count) of the box's bytes.
+void for_each_chunk(const Shape& extent, std::size_t element_size, std::uint64_t max_bytes,
+                    const std::function<void(const Shape&, const Shape&, std::uint64_t,
+                                             std::uint64_t)>& chunk);
+
+// Overflow-checked arithmetic for sizes read from files (nullopt on overflow).
+std::optional<std::uint64_t> checked_add(std::uint64_t a, std::uint64_t b);
+std::optional<std::uint64_t> checked_mul(std::uint64_t a, std::uint64_t b);
+std::optional<std::uint64_t> checked_element_count(const Shape& shape);
+
+// Test hooks. fault_point(name, rank) calls the installed hook (if any) at named points of the
+// save protocol; a hook throws to simulate a failure there, or _exit()s to simulate a crash.
+using FaultHook = std::function<void(std::string_view point, int rank)>;
+void set_fault_hook(FaultHook hook);  // not thread-safe: install before the ranks start
+void fault_point(std::string_view point, int rank);
+// Tests: pretend the filesystem lacks renameat2(RENAME_EXCHANGE) (use the two-rename fallback).
+void set_rename_exchange_disabled(bool disabled);
+bool rename_exchange_disabled();
 std::string hex64(std::uint64_t value);
+
+// Replacing an existing step directory: on filesystems without RENAME_EXCHANGE the old copy is
+// first renamed to "step-<n>.replaced-<gen>"; if that is all that is left of step n (crash
+// between the two renames) readers use it and the next save renames it back.
+inline constexpr std::string_view kReplacedInfix = ".replaced-";
 
 // "step-000001200"; parse returns nullopt for anything else (tmp, deleting, latest, ...).
 std::string step_name(std::uint64_t step);

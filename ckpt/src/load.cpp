@@ -60,11 +60,143 @@ std::string read_manifest_text(const fs::path& index_path) {
   if (H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) != 0) {
     throw CheckpointError("manifest is not a fixed-length string");
   }
-  std::string text(H5Tget_size(type.get()), '\0');
+  const std::size_t size = H5Tget_size(type.get());
+  std::error_code ec;
+  const auto file_bytes = fs::file_size(index_path, ec);
+  if (size == 0 || ec || size > file_bytes) {
+    throw CheckpointError(fmt::format("manifest size {} is inconsistent with the file size", size));
+  }
+  std::string text(size, '\0');
   h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()),
             "read manifest");
   if (auto nul = text.find('\0'); nul != std::string::npos) text.resize(nul);
   return text;
+}
+
+}  // namespace
+
+namespace {
+
+// Manifest validation: everything the reader later uses as a size, offset, index or path is
+// checked here, so damaged or crafted indexes give one error naming the tensor, never a crash.
+constexpr std::size_t kMaxRank = 32;                       // H5S_MAX_RANK
+constexpr std::uint64_t kMaxTensorBytes = 1ULL << 62;
+
+[[noreturn]] void bad(const std::string& what) { throw CheckpointError(what); }
+
+const json& field(const json& object, const char* key, std::string_view context) {
+  if (!object.is_object() || !object.contains(key)) bad(fmt::format("{}: missing '{}'", context, key));
+  return object[key];
+}
+
+std::uint64_t u64_field(const json& object, const char* key, std::string_view context) {
+  const json& value = field(object, key, context);
+  if (!value.is_number_unsigned()) {
+    bad(fmt::format("{}: '{}' is {}, not a non-negative integer", context, key, value.dump()));
+  }
+  return value.get<std::uint64_t>();
+}
+
+std::string string_field(const json& object, const char* key, std::string_view context) {
+  const json& value = field(object, key, context);
+  if (!value.is_string()) bad(fmt::format("{}: '{}' is not a string", context, key));
+  return value.get<std::string>();
+}
+
+Shape shape_value(const json& value, const char* key, std::string_view context) {
+  if (!value.is_array() || value.size() > kMaxRank) {
+    bad(fmt::format("{}: '{}' is not an array of at most {} extents", context, key, kMaxRank));
+  }
+  Shape shape;
+  for (const auto& v : value) {
+    if (!v.is_number_unsigned()) {
+      bad(fmt::format("{}: '{}' holds {}, not a non-negative integer", context, key, v.dump()));
+    }
+    shape.push_back(v.get<std::uint64_t>());
+  }
+  return shape;
+}
+
+Shape shape_field(const json& object, const char* key, std::string_view context) {
+  return shape_value(field(object, key, context), key, context);
+}
+
+bool plain_file_name(const std::string& name) {
+  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos;
+}
+
+TensorInfo parse_tensor(const json& t, int world, const std::set<std::string>& files) {
+  TensorInfo info;
+  info.name = string_field(t, "name", "tensor entry");
+  if (auto reason = detail::invalid_name_reason(info.name); !reason.empty()) {
+    bad(fmt::format("tensor '{}': invalid name ({})", info.name, reason));
+  }
+  const std::string context = fmt::format("tensor '{}'", info.name);
+  const std::string dtype = string_field(t, "dtype", context);
+  try {
+    info.dtype = dtype_from_name(dtype);
+  } catch (const std::exception&) {
+    bad(fmt::format("{}: unknown dtype '{}'", context, dtype));
+  }
+  info.shape = shape_field(t, "shape", context);
+  const auto count = detail::checked_element_count(info.shape);
+  const auto bytes = count ? detail::checked_mul(*count, dtype_size(info.dtype)) : std::nullopt;
+  if (!bytes || *bytes > kMaxTensorBytes) {
+    bad(fmt::format("{}: shape {} is too large", context, detail::shape_string(info.shape)));
+  }
+  const std::string placement = string_field(t, "placement", context);
+  if (placement != "sharded" && placement != "replicated") {
+    bad(fmt::format("{}: unknown placement '{}'", context, placement));
+  }
+  info.placement = placement == "sharded" ? Placement::sharded : Placement::replicated;
+  const json& shards = field(t, "shards", context);
+  if (!shards.is_array()) bad(context + ": 'shards' is not an array");
+  const std::size_t ndim = info.shape.size();
+  std::uint64_t covered = 0;
+  for (std::size_t i = 0; i < shards.size(); ++i) {
+    const json& s = shards[i];
+    const std::string where = fmt::format("{} shard {}", context, i);
+    ShardInfo shard;
+    shard.file = string_field(s, "file", where);
+    if (!files.contains(shard.file)) {
+      bad(fmt::format("{}: file '{}' is not one of the checkpoint's files", where, shard.file));
+    }
+    const std::uint64_t rank = u64_field(s, "rank", where);
+    if (rank >= static_cast<std::uint64_t>(world)) {
+      bad(fmt::format("{}: rank {} outside world size {}", where, rank, world));
+    }
+    shard.rank = static_cast<int>(rank);
+    shard.offset = shape_field(s, "offset", where);
+    shard.extent = shape_field(s, "extent", where);
+    shard.in_file_offset =
+        s.contains("in_file_offset") ? shape_field(s, "in_file_offset", where) : Shape(ndim, 0);
+    shard.xxh3 = u64_field(s, "xxh3", where);
+    if (shard.offset.size() != ndim || shard.extent.size() != ndim ||
+        shard.in_file_offset.size() != ndim) {
+      bad(fmt::format("{} (file {}): offset/extent/in_file_offset need {} dimensions", where,
+                      shard.file, ndim));
+    }
+    for (std::size_t d = 0; d < ndim; ++d) {
+      const auto end = detail::checked_add(shard.offset[d], shard.extent[d]);
+      if (!end || *end > info.shape[d] || !detail::checked_add(shard.in_file_offset[d], shard.extent[d])) {
+        bad(fmt::format("{} (file {}): offset {} + extent {} is outside shape {}", where,
+                        shard.file, detail::shape_string(shard.offset),
+                        detail::shape_string(shard.extent), detail::shape_string(info.shape)));
+      }
+    }
+    const auto next = detail::checked_add(covered, element_count(shard.extent));
+    if (!next || *next > *count) {
+      bad(fmt::format("{}: shards hold more elements than shape {}", context,
+                      detail::shape_string(info.shape)));
+    }
+    covered = *next;
+    info.shards.push_back(std::move(shard));
+  }
+  if (covered != *count) {
+    bad(fmt::format("{}: shards cover {} of {} elements", context, covered, *count));
+  }
+  return info;
 }
 
 }  // namespace
@@ -77,27 +209,41 @@ Checkpoint::Checkpoint(fs::path step_dir) : state_(std::make_unique<State>()) {
     if (!fs::exists(index_path)) throw CheckpointError("file missing");
     state_->manifest = json::parse(read_manifest_text(index_path));
     const json& m = state_->manifest;
-    if (m.at("format") != detail::kFormatName) throw CheckpointError("not an elastrun checkpoint");
-    if (m.at("format_version").get<int>() > kFormatVersion) {
-      throw CheckpointError(fmt::format("format version {} is newer than this reader ({}); "
-                                        "upgrade elastrun",
-                                        m.at("format_version").get<int>(), kFormatVersion));
+    if (!m.is_object()) bad("manifest is not a JSON object");
+    if (string_field(m, "format", "manifest") != detail::kFormatName) {
+      bad("not an elastrun checkpoint");
     }
-    for (const auto& t : m.at("tensors")) {
-      TensorInfo info;
-      info.name = t.at("name").get<std::string>();
-      info.dtype = dtype_from_name(t.at("dtype").get<std::string>());
-      info.shape = t.at("shape").get<Shape>();
-      info.placement =
-          t.at("placement") == "sharded" ? Placement::sharded : Placement::replicated;
-      for (const auto& s : t.at("shards")) {
-        ShardInfo shard{s.at("file").get<std::string>(), s.at("rank").get<int>(),
-                        s.at("offset").get<Shape>(), s.at("extent").get<Shape>(),
-                        s.at("xxh3").get<std::uint64_t>(),
-                        s.value("in_file_offset", Shape(info.shape.size(), 0))};
-        info.shards.push_back(std::move(shard));
+    const std::uint64_t version = u64_field(m, "format_version", "manifest");
+    if (version > static_cast<std::uint64_t>(kFormatVersion)) {
+      bad(fmt::format("format version {} is newer than this reader ({}); upgrade elastrun",
+                      version, kFormatVersion));
+    }
+    (void)u64_field(m, "step", "manifest");
+    const std::uint64_t world = u64_field(m, "world_size", "manifest");
+    if (world < 1 || world > 1U << 30) bad(fmt::format("manifest: world_size {} is invalid", world));
+    const std::string layout = string_field(m, "layout", "manifest");
+    if (layout != "file-per-rank" && layout != "shared-file") {
+      bad(fmt::format("manifest: unknown layout '{}'", layout));
+    }
+    (void)field(m, "metadata", "manifest");
+    std::set<std::string> files;
+    const json& file_list = field(m, "files", "manifest");
+    if (!file_list.is_array()) bad("manifest: 'files' is not an array");
+    for (const auto& f : file_list) {
+      const std::string name = string_field(f, "name", "manifest file entry");
+      if (!plain_file_name(name)) {
+        bad(fmt::format("manifest: file name '{}' is not a plain file name", name));
       }
-      state_->by_name[info.name] = state_->tensors.size();
+      (void)u64_field(f, "bytes", "manifest file " + name);
+      files.insert(name);
+    }
+    const json& tensor_list = field(m, "tensors", "manifest");
+    if (!tensor_list.is_array()) bad("manifest: 'tensors' is not an array");
+    for (const auto& t : tensor_list) {
+      TensorInfo info = parse_tensor(t, static_cast<int>(world), files);
+      if (!state_->by_name.emplace(info.name, state_->tensors.size()).second) {
+        bad(fmt::format("tensor '{}' is listed twice", info.name));
+      }
       state_->tensors.push_back(std::move(info));
     }
   } catch (const std::exception& e) {
@@ -156,10 +302,23 @@ h5::Handle open_piece(hid_t file, const TensorInfo& tensor, const ShardInfo& sha
                       h5::Handle& file_space) {
   h5::Handle dataset = h5::make_dataset(H5Dopen2(file, tensor.name.c_str(), H5P_DEFAULT),
                                         "open dataset");
+  {
+    h5::Handle stored = h5::make_type(H5Dget_type(dataset.get()), "get dataset type");
+    const std::size_t stored_size = H5Tget_size(stored.get());
+    if (stored_size != dtype_size(tensor.dtype)) {
+      throw CheckpointError(fmt::format("dataset elements are {} bytes but the manifest says {} "
+                                        "({} bytes)",
+                                        stored_size, dtype_name(tensor.dtype),
+                                        dtype_size(tensor.dtype)));
+    }
+  }
   file_space = h5::make_space(H5Dget_space(dataset.get()), "get dataspace");
   const std::size_t ndim = tensor.shape.size();
   const int file_ndim = H5Sget_simple_extent_ndims(file_space.get());
   h5::check(file_ndim, "get dataset rank");
+  if (H5Sget_simple_extent_type(file_space.get()) == H5S_NULL) {
+    throw CheckpointError("dataset has a null dataspace");
+  }
   std::vector<hsize_t> dims(static_cast<std::size_t>(file_ndim));
   h5::check(H5Sget_simple_extent_dims(file_space.get(), dims.data(), nullptr), "get dataset shape");
   bool holds = static_cast<std::size_t>(file_ndim) == ndim;
@@ -174,27 +333,45 @@ h5::Handle open_piece(hid_t file, const TensorInfo& tensor, const ShardInfo& sha
   return dataset;
 }
 
-// Reads the whole piece `shard` (for hashing) into `buffer`.
-void read_whole_shard(hid_t file, const TensorInfo& tensor, const ShardInfo& shard,
-                      std::vector<std::byte>& buffer) {
+// Hashes the stored piece `shard` (as the writer did: its bytes in C order), reading it in
+// chunks of at most kChunk bytes through `scratch`.
+std::uint64_t hash_stored_piece(hid_t file, const TensorInfo& tensor, const ShardInfo& shard,
+                                std::vector<std::byte>& scratch) {
+  constexpr std::uint64_t kChunk = 16ULL << 20;
   h5::Handle file_space;
   h5::Handle dataset = open_piece(file, tensor, shard, file_space);
   h5::Handle type = h5::storage_type(tensor.dtype);
-  buffer.resize(element_count(shard.extent) * dtype_size(tensor.dtype));
-  if (tensor.shape.empty()) {
-    h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, buffer.data()),
+  const std::size_t element_size = dtype_size(tensor.dtype);
+  detail::Xxh3Stream stream;
+  const std::size_t ndim = tensor.shape.size();
+  if (ndim == 0) {
+    scratch.resize(element_size);
+    h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, scratch.data()),
               "read scalar");
-    return;
+    stream.update(scratch.data(), element_size);
+    return stream.digest();
   }
-  const std::vector<hsize_t> start(shard.in_file_offset.begin(), shard.in_file_offset.end());
-  const std::vector<hsize_t> count(shard.extent.begin(), shard.extent.end());
-  h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr,
-                                count.data(), nullptr),
-            "select piece");
-  h5::Handle memory_space = h5::dataspace(shard.extent);
-  h5::check(H5Dread(dataset.get(), type.get(), memory_space.get(), file_space.get(), H5P_DEFAULT,
-                    buffer.data()),
-            "read piece");
+  std::vector<hsize_t> start(ndim), count(ndim);
+  detail::for_each_chunk(
+      shard.extent, element_size, kChunk,
+      [&](const Shape& chunk_start, const Shape& chunk_count, std::uint64_t, std::uint64_t bytes) {
+        for (std::size_t d = 0; d < ndim; ++d) {
+          start[d] = shard.in_file_offset[d] + chunk_start[d];
+          count[d] = chunk_count[d];
+        }
+        h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr,
+                                      count.data(), nullptr),
+                  "select piece chunk");
+        const hsize_t elements = bytes / element_size;
+        h5::Handle memory_space =
+            h5::make_space(H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
+        scratch.resize(std::max<std::size_t>(scratch.size(), bytes));
+        h5::check(H5Dread(dataset.get(), type.get(), memory_space.get(), file_space.get(),
+                          H5P_DEFAULT, scratch.data()),
+                  "read piece");
+        stream.update(scratch.data(), bytes);
+      });
+  return stream.digest();
 }
 
 }  // namespace
@@ -210,8 +387,8 @@ std::vector<std::string> Checkpoint::verify_all() {
   for (const auto& tensor : state_->tensors) {
     for (const auto& shard : tensor.shards) {
       try {
-        read_whole_shard(state_->shard(shard.file), tensor, shard, state_->scratch);
-        const std::uint64_t hash = detail::xxh3(state_->scratch.data(), state_->scratch.size());
+        const std::uint64_t hash =
+            hash_stored_piece(state_->shard(shard.file), tensor, shard, state_->scratch);
         if (hash != shard.xxh3) {
           problems.push_back(fmt::format("{}: tensor '{}' content hash {} != recorded {} (data "
                                          "corrupted)",
@@ -220,7 +397,7 @@ std::vector<std::string> Checkpoint::verify_all() {
         } else {
           state_->verified.insert(piece_key(shard, tensor.name));
         }
-      } catch (const CheckpointError& e) {
+      } catch (const std::exception& e) {
         problems.push_back(fmt::format("{}: tensor '{}' unreadable: {}",
                                        (state_->path / shard.file).string(), tensor.name,
                                        e.what()));
@@ -230,7 +407,7 @@ std::vector<std::string> Checkpoint::verify_all() {
   return problems;
 }
 
-void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
+void Checkpoint::check_read(const TensorTarget& target, const ReadOptions& options) {
   const TensorInfo& tensor = this->tensor(target.name);
   const std::size_t ndim = tensor.shape.size();
   if (target.dtype != tensor.dtype) {
@@ -246,7 +423,8 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
                                       detail::shape_string(tensor.shape), target.extent.size()));
   }
   for (std::size_t d = 0; d < ndim; ++d) {
-    if (target.offset[d] + target.extent[d] > tensor.shape[d]) {
+    const auto end = detail::checked_add(target.offset[d], target.extent[d]);
+    if (!end || *end > tensor.shape[d]) {
       throw CheckpointError(fmt::format("{}: target box offset {} extent {} is outside tensor "
                                         "'{}' of shape {}",
                                         state_->path.string(), detail::shape_string(target.offset),
@@ -258,7 +436,43 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
   if (target.data == nullptr) {
     throw CheckpointError("target for tensor '" + target.name + "' has a null data pointer");
   }
-  const std::size_t element_size = dtype_size(tensor.dtype);
+  const Box wanted{target.offset, target.extent};
+  h5::Lock lock(h5::library_mutex());
+  for (const auto& shard : tensor.shards) {
+    if (!detail::intersect(wanted, Box{shard.offset, shard.extent})) continue;
+    const fs::path shard_path = state_->path / shard.file;
+    const std::string key = piece_key(shard, tensor.name);
+    if (state_->verified.contains(key)) continue;
+    std::uint64_t hash = 0;
+    try {
+      const hid_t file = state_->shard(shard.file);
+      if (!options.verify) {
+        h5::Handle file_space;
+        (void)open_piece(file, tensor, shard, file_space);  // structure only
+        continue;
+      }
+      hash = hash_stored_piece(file, tensor, shard, state_->scratch);
+    } catch (const std::exception& e) {
+      throw CorruptCheckpointError(fmt::format("{}: cannot read tensor '{}' ({}); restore will "
+                                               "use an older step",
+                                               shard_path.string(), tensor.name, e.what()));
+    }
+    if (hash != shard.xxh3) {
+      throw CorruptCheckpointError(fmt::format(
+          "{}: tensor '{}' content hash {} != recorded {}; the shard is corrupted, restore "
+          "will use an older step",
+          shard_path.string(), tensor.name, detail::hex64(hash), detail::hex64(shard.xxh3)));
+    }
+    state_->verified.insert(key);
+  }
+}
+
+void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
+  // Everything is checked (and hashed) before the first byte goes to target.data.
+  check_read(target, options);
+  if (target.bytes() == 0) return;
+  const TensorInfo& tensor = this->tensor(target.name);
+  const std::size_t ndim = tensor.shape.size();
   const Box wanted{target.offset, target.extent};
   h5::Lock lock(h5::library_mutex());
   for (const auto& shard : tensor.shards) {
@@ -272,22 +486,6 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
     const fs::path shard_path = state_->path / shard.file;
     try {
       const hid_t file = state_->shard(shard.file);
-      const bool verify = options.verify && !state_->verified.contains(piece_key(shard, tensor.name));
-      if (verify) {
-        // Hashing needs the whole shard dataset; read it once and copy the overlap from memory.
-        read_whole_shard(file, tensor, shard, state_->scratch);
-        const std::uint64_t hash = detail::xxh3(state_->scratch.data(), state_->scratch.size());
-        if (hash != shard.xxh3) {
-          throw CorruptCheckpointError(fmt::format(
-              "{}: tensor '{}' content hash {} != recorded {}; the shard is corrupted, restore "
-              "will use an older step",
-              shard_path.string(), tensor.name, detail::hex64(hash), detail::hex64(shard.xxh3)));
-        }
-        state_->verified.insert(piece_key(shard, tensor.name));
-        detail::copy_box(state_->scratch.data(), shard.extent, in_shard, target.data,
-                         target.extent, in_target, overlap->extent, element_size);
-        continue;
-      }
       h5::Handle file_space;
       h5::Handle dataset = open_piece(file, tensor, shard, file_space);
       h5::Handle type = h5::storage_type(tensor.dtype);
@@ -310,8 +508,6 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
       h5::check(H5Dread(dataset.get(), type.get(), memory_space.get(), file_space.get(),
                         H5P_DEFAULT, target.data),
                 "read hyperslab");
-    } catch (const CorruptCheckpointError&) {
-      throw;
     } catch (const std::exception& e) {
       throw CorruptCheckpointError(fmt::format("{}: cannot read tensor '{}' ({}); restore will "
                                                "use an older step",
@@ -319,6 +515,41 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
     }
   }
 }
+
+namespace {
+
+// "ok", "corrupt:<why>" (try an older step) or "error:<why>" (a caller mistake).
+template <typename Action>
+std::string attempt_status(const Action& action) {
+  try {
+    action();
+    return "ok";
+  } catch (const CorruptCheckpointError& e) {
+    return std::string("corrupt:") + e.what();
+  } catch (const std::exception& e) {
+    return std::string("error:") + e.what();
+  }
+}
+
+// Rank 0: the ranks' statuses -> {"action": "go"} | {"action": "skip", "skipped": [...]} |
+// {"action": "fail", "error": ...}.
+json decide(const std::vector<std::string>& statuses, const fs::path& path) {
+  json skipped = json::array();
+  for (std::size_t r = 0; r < statuses.size(); ++r) {
+    if (statuses[r] == "ok") continue;
+    if (statuses[r].rfind("error:", 0) == 0) {
+      // A caller mistake (unknown tensor, wrong dtype): older steps would not fix it.
+      return {{"action", "fail"},
+              {"error", fmt::format("restore from {} failed on rank {}: {}", path.string(), r,
+                                    statuses[r].substr(6))}};
+    }
+    skipped.push_back(fmt::format("rank {}: {}", r, statuses[r].substr(8)));
+  }
+  if (skipped.empty()) return {{"action", "go"}};
+  return {{"action", "skip"}, {"skipped", skipped}};
+}
+
+}  // namespace
 
 std::optional<RestoreResult> restore_latest(const fs::path& root,
                                             std::span<const TensorTarget> targets,
@@ -331,44 +562,66 @@ std::optional<RestoreResult> restore_latest(const fs::path& root,
     listing = steps.dump();
   }
   std::vector<std::uint64_t> candidates =
-      json::parse(comm.allgather(listing).at(0)).get<std::vector<std::uint64_t>>();
+      json::parse(comm.broadcast(listing)).get<std::vector<std::uint64_t>>();
   std::reverse(candidates.begin(), candidates.end());
   if (options.max_attempts > 0 && candidates.size() > static_cast<std::size_t>(options.max_attempts)) {
     candidates.resize(static_cast<std::size_t>(options.max_attempts));
   }
+  // Both votes: gather the statuses to rank 0, which broadcasts one decision (O(world)).
+  auto vote = [&](const std::string& status, const fs::path& path) {
+    const std::vector<std::string> statuses = comm.gather(status);
+    return json::parse(comm.broadcast(comm.rank() == 0 ? decide(statuses, path).dump() : ""));
+  };
   RestoreResult result;
+  bool targets_touched = false;
+  std::string last_copy_failure;
   for (const std::uint64_t step : candidates) {
-    const fs::path path = step_directory(root, step);
-    std::string status = "ok";
-    json metadata;
-    try {
-      Checkpoint checkpoint(path);
-      checkpoint.check_files();
-      for (const auto& target : targets) checkpoint.read(target, ReadOptions{options.verify});
-      metadata = checkpoint.metadata();
-    } catch (const CorruptCheckpointError& e) {
-      status = std::string("corrupt:") + e.what();
-    } catch (const std::exception& e) {
-      status = std::string("error:") + e.what();
-    }
-    const std::vector<std::string> statuses = comm.allgather(status);
-    bool all_ok = true;
-    for (std::size_t r = 0; r < statuses.size(); ++r) {
-      if (statuses[r] == "ok") continue;
-      all_ok = false;
-      if (statuses[r].rfind("error:", 0) == 0) {
-        // A caller mistake (unknown tensor, wrong dtype): older steps would not fix it.
-        throw CheckpointError(fmt::format("restore from {} failed on rank {}: {}", path.string(),
-                                          r, statuses[r].substr(6)));
+    // Rank 0 may have listed a "replaced" copy as this step (see list_steps).
+    fs::path path = step_directory(root, step);
+    if (comm.rank() == 0) {
+      for (const auto& entry : list_steps(root)) {
+        if (entry.step == step) path = entry.path;
       }
-      result.skipped.push_back(fmt::format("rank {}: {}", r, statuses[r].substr(8)));
     }
-    if (all_ok) {
+    path = comm.broadcast(path.string());
+    std::optional<Checkpoint> checkpoint;
+    json metadata;
+    // Phase 1: check (and verify) everything this rank will read; the targets are untouched.
+    std::string status = attempt_status([&] {
+      checkpoint.emplace(path);
+      checkpoint->check_files();
+      for (const auto& target : targets) checkpoint->check_read(target, ReadOptions{options.verify});
+      metadata = checkpoint->metadata();
+    });
+    json decision = vote(status, path);
+    if (decision["action"] == "fail") throw CheckpointError(decision["error"].get<std::string>());
+    if (decision["action"] == "skip") {
+      for (const auto& s : decision["skipped"]) result.skipped.push_back(s.get<std::string>());
+      continue;
+    }
+    // Phase 2: every rank's data checked out; copy into the targets.
+    targets_touched = true;
+    status = attempt_status([&] {
+      for (const auto& target : targets) checkpoint->read(target, ReadOptions{false});
+    });
+    decision = vote(status, path);
+    if (decision["action"] == "go") {
       result.step = step;
       result.path = path;
       result.metadata = std::move(metadata);
       return result;
     }
+    if (decision["action"] == "fail") throw CheckpointError(decision["error"].get<std::string>());
+    for (const auto& s : decision["skipped"]) {
+      result.skipped.push_back(s.get<std::string>());
+      last_copy_failure = s.get<std::string>();
+    }
+  }
+  if (targets_touched) {
+    throw CheckpointError(fmt::format(
+        "restore failed: a step verified but could not be copied ({}) and no older step "
+        "loaded; the targets are partially overwritten",
+        last_copy_failure));
   }
   return std::nullopt;
 }

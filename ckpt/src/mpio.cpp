@@ -2,6 +2,7 @@
 #include <map>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "elastrun/ckpt/mpi_comm.hpp"
 #include "h5.hpp"
@@ -23,9 +24,11 @@ struct Declaration {
 // Plan round: every rank learns every tensor (collective dataset creation needs identical calls
 // on all ranks) and every rank's validation error, so all ranks fail or proceed together.
 std::map<std::string, Declaration> agree_on_tensors(std::span<const TensorView> tensors,
-                                                    Communicator& comm, bool have_mpi) {
+                                                    Communicator& comm, bool have_mpi,
+                                                    const std::string* local_error) {
   json mine = {{"error", ""}, {"mpi", have_mpi}, {"tensors", json::array()}};
   try {
+    if (local_error) throw CheckpointError(*local_error);
     validate_tensors(tensors);
     for (const auto& t : tensors) {
       mine["tensors"].push_back({{"name", t.name},
@@ -64,14 +67,62 @@ std::map<std::string, Declaration> agree_on_tensors(std::span<const TensorView> 
   return plan;
 }
 
+// Runs the steps of one phase, remembering the first error instead of throwing it (the other
+// ranks are about to enter a collective call), then agrees with all ranks on the outcome: if any
+// rank failed, every rank throws the same error naming the failed ranks.
+class PhaseAgreement {
+ public:
+  PhaseAgreement(MPI_Comm comm, Communicator& names, int rank)
+      : comm_(comm), names_(names), rank_(rank) {}
+
+  template <typename Step>
+  void run(std::string_view point, Step&& step) {
+    if (!error_.empty()) return;
+    try {
+      step();
+      // After the step: collective calls must be made by every rank; a test fault here
+      // simulates the call failing on this rank only.
+      fault_point(point, rank_);
+    } catch (const std::exception& e) {
+      error_ = e.what();
+      if (error_.empty()) error_ = "unknown error";
+    }
+  }
+
+  void agree(std::string_view phase) {
+    const int mine = error_.empty() ? 0 : 1;
+    int any = 0;
+    const int status = MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm_);
+    if (status != MPI_SUCCESS) {
+      throw CheckpointError(fmt::format("rank {}: MPI_Allreduce of the {} status failed", rank_,
+                                        phase));
+    }
+    if (any == 0) return;
+    const std::vector<std::string> errors = names_.allgather(error_);
+    std::vector<std::string> failed;
+    for (std::size_t r = 0; r < errors.size(); ++r) {
+      if (!errors[r].empty()) failed.push_back(fmt::format("rank {}: {}", r, errors[r]));
+    }
+    throw CheckpointError(fmt::format("shared-file save failed during {} ({})", phase,
+                                      fmt::join(failed, "; ")));
+  }
+
+ private:
+  MPI_Comm comm_;
+  Communicator& names_;
+  int rank_;
+  std::string error_;
+};
+
 }  // namespace
 
 json write_shared_file(const fs::path& directory, std::uint64_t step,
                        std::span<const TensorView> tensors, Communicator& comm,
                        const SaveOptions& options, PieceSource source,
-                       std::uint64_t& bytes_written) {
+                       std::uint64_t& bytes_written, const std::string* local_error) {
   auto* mpi = dynamic_cast<MpiCommunicator*>(&comm);
-  const std::map<std::string, Declaration> plan = agree_on_tensors(tensors, comm, mpi != nullptr);
+  const std::map<std::string, Declaration> plan =
+      agree_on_tensors(tensors, comm, mpi != nullptr, local_error);
   std::map<std::string, const TensorView*> local;
   for (const auto& t : tensors) local[t.name] = &t;
 
@@ -80,41 +131,70 @@ json write_shared_file(const fs::path& directory, std::uint64_t step,
   const fs::path file_path = directory / kSharedDataFile;
   json report = {{"rank", rank}, {"file", kSharedDataFile}, {"tensors", json::array()}};
   std::vector<std::byte> gather_buffer;
+  PhaseAgreement phases(mpi->comm(), comm, rank);
+  std::uint64_t written = 0;
   {
     h5::Lock lock(h5::library_mutex());
-    h5::Handle fapl = h5::make_plist(H5Pcreate(H5P_FILE_ACCESS), "create file access list");
-    h5::check(H5Pset_fapl_mpio(fapl.get(), mpi->comm(), MPI_INFO_NULL), "select MPI-IO driver");
-    h5::check(H5Pset_all_coll_metadata_ops(fapl.get(), 1), "enable collective metadata reads");
-    h5::check(H5Pset_coll_metadata_write(fapl.get(), 1), "enable collective metadata writes");
-    if (options.alignment > 1) {
-      h5::check(H5Pset_alignment(fapl.get(), options.alignment_threshold, options.alignment),
-                "set alignment");
-    }
-    h5::check(H5Pset_file_locking(fapl.get(), options.file_locking ? 1 : 0, 1),
-              "set file locking");
-    h5::Handle file = h5::make_file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()),
-                                    "create shared file " + file_path.string());
-    h5::write_attr_string(file.get(), "format", kFormatName);
-    h5::write_attr_i64(file.get(), "format_version", kFormatVersion);
-    h5::write_attr_i64(file.get(), "step", static_cast<std::int64_t>(step));
-    h5::write_attr_i64(file.get(), "world_size", world);
-    h5::Handle dxpl = h5::make_plist(H5Pcreate(H5P_DATASET_XFER), "create transfer list");
-    h5::check(H5Pset_dxpl_mpio(dxpl.get(), H5FD_MPIO_COLLECTIVE), "request collective transfers");
-    h5::Handle lcpl = h5::link_create_intermediate();
-    h5::Handle dcpl = h5::contiguous_no_fill();
+    h5::Handle fapl;
+    h5::Handle dxpl;
+    h5::Handle lcpl;
+    h5::Handle dcpl;
+    phases.run("shared.setup", [&] {
+      fapl = h5::make_plist(H5Pcreate(H5P_FILE_ACCESS), "create file access list");
+      h5::check(H5Pset_fapl_mpio(fapl.get(), mpi->comm(), MPI_INFO_NULL), "select MPI-IO driver");
+      h5::check(H5Pset_all_coll_metadata_ops(fapl.get(), 1), "enable collective metadata reads");
+      h5::check(H5Pset_coll_metadata_write(fapl.get(), 1), "enable collective metadata writes");
+      if (options.alignment > 1) {
+        h5::check(H5Pset_alignment(fapl.get(), options.alignment_threshold, options.alignment),
+                  "set alignment");
+      }
+      h5::check(H5Pset_file_locking(fapl.get(), options.file_locking ? 1 : 0, 1),
+                "set file locking");
+      dxpl = h5::make_plist(H5Pcreate(H5P_DATASET_XFER), "create transfer list");
+      h5::check(H5Pset_dxpl_mpio(dxpl.get(), H5FD_MPIO_COLLECTIVE), "request collective transfers");
+      // Every rank's piece is one contiguous run of the file for row splits: write it directly
+      // (no two-phase aggregation through other ranks' buffers: less memory, no extra copy),
+      // while the call itself stays collective.
+      if (!options.shared_file_aggregation) {
+        h5::check(H5Pset_dxpl_mpio_collective_opt(dxpl.get(), H5FD_MPIO_INDIVIDUAL_IO),
+                  "request direct (non-aggregated) transfers");
+      }
+      lcpl = h5::link_create_intermediate();
+      dcpl = h5::contiguous_no_fill();
+    });
+    phases.agree("setup");
+    h5::Handle file;
+    phases.run("shared.create", [&] {
+      file = h5::make_file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()),
+                           "create shared file " + file_path.string());
+    });
+    phases.agree("file creation");
+    phases.run("shared.attributes", [&] {
+      h5::write_attr_string(file.get(), "format", kFormatName);
+      h5::write_attr_i64(file.get(), "format_version", kFormatVersion);
+      h5::write_attr_i64(file.get(), "step", static_cast<std::int64_t>(step));
+      h5::write_attr_i64(file.get(), "world_size", world);
+    });
+    phases.agree("file attributes");
     const std::byte no_data{};  // a valid pointer for ranks that contribute nothing
 
     for (const auto& [name, declaration] : plan) {
       const DType dtype = dtype_from_name(declaration.dtype);
       const std::size_t element_size = dtype_size(dtype);
-      h5::Handle type = h5::storage_type(dtype);
-      h5::Handle global_space = h5::dataspace(declaration.shape);
-      h5::Handle dataset = h5::make_dataset(
-          H5Dcreate2(file.get(), name.c_str(), type.get(), global_space.get(), lcpl.get(),
-                     dcpl.get(), H5P_DEFAULT),
-          fmt::format("create dataset {} in {}", name, file_path.string()));
-      h5::write_attr_string(dataset.get(), "dtype", declaration.dtype);
-      h5::write_attr_string(dataset.get(), "placement", declaration.placement);
+      h5::Handle type;
+      h5::Handle dataset;
+      // Collective: dataset creation and its attributes (metadata writes).
+      phases.run("shared.create_dataset", [&] {
+        type = h5::storage_type(dtype);
+        h5::Handle global_space = h5::dataspace(declaration.shape);
+        dataset = h5::make_dataset(
+            H5Dcreate2(file.get(), name.c_str(), type.get(), global_space.get(), lcpl.get(),
+                       dcpl.get(), H5P_DEFAULT),
+            fmt::format("create dataset {} in {}", name, file_path.string()));
+        h5::write_attr_string(dataset.get(), "dtype", declaration.dtype);
+        h5::write_attr_string(dataset.get(), "placement", declaration.placement);
+      });
+      phases.agree(fmt::format("creation of dataset '{}'", name));
 
       const auto found = local.find(name);
       const TensorView* view = found == local.end() ? nullptr : found->second;
@@ -128,43 +208,55 @@ json write_shared_file(const fs::path& directory, std::uint64_t step,
         if (view) report["tensors"].push_back(std::move(entry));
         continue;
       }
-      h5::Handle file_space = h5::make_space(H5Dget_space(dataset.get()), "get dataspace");
+      // Local: selections and this rank's bytes.
+      h5::Handle file_space;
       h5::Handle memory_space;
       const std::byte* bytes = &no_data;
-      if (piece) {
-        bytes = piece_data(*view, *piece, gather_buffer, source);
-        memory_space = h5::dataspace(piece->extent);
-        if (!declaration.shape.empty()) {
-          const std::vector<hsize_t> start(piece->offset.begin(), piece->offset.end());
-          const std::vector<hsize_t> count(piece->extent.begin(), piece->extent.end());
-          h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr,
-                                        count.data(), nullptr),
-                    "select piece of " + name);
+      phases.run("shared.prepare", [&] {
+        file_space = h5::make_space(H5Dget_space(dataset.get()), "get dataspace");
+        if (piece) {
+          bytes = piece_data(*view, *piece, gather_buffer, source);
+          memory_space = h5::dataspace(piece->extent);
+          if (!declaration.shape.empty()) {
+            const std::vector<hsize_t> start(piece->offset.begin(), piece->offset.end());
+            const std::vector<hsize_t> count(piece->extent.begin(), piece->extent.end());
+            h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(),
+                                          nullptr, count.data(), nullptr),
+                      "select piece of " + name);
+          }
+        } else {
+          const hsize_t one[1] = {1};
+          memory_space = h5::make_space(H5Screate_simple(1, one, nullptr), "create dataspace");
+          h5::check(H5Sselect_none(memory_space.get()), "select nothing");
+          h5::check(H5Sselect_none(file_space.get()), "select nothing");
         }
-      } else {
-        const hsize_t one[1] = {1};
-        memory_space = h5::make_space(H5Screate_simple(1, one, nullptr), "create dataspace");
-        h5::check(H5Sselect_none(memory_space.get()), "select nothing");
-        h5::check(H5Sselect_none(file_space.get()), "select nothing");
-      }
-      h5::check(H5Dwrite(dataset.get(), type.get(), memory_space.get(), file_space.get(),
-                         dxpl.get(), bytes),
-                fmt::format("collective write of {} to {}", name, file_path.string()));
+      });
+      phases.agree(fmt::format("preparation of '{}'", name));
+      // Collective transfer: every rank calls it (returns on every rank, possibly failed).
+      phases.run("shared.write", [&] {
+        h5::check(H5Dwrite(dataset.get(), type.get(), memory_space.get(), file_space.get(),
+                           dxpl.get(), bytes),
+                  fmt::format("collective write of {} to {}", name, file_path.string()));
+      });
+      phases.agree(fmt::format("write of '{}'", name));
       if (piece) {
         const std::uint64_t piece_bytes = element_count(piece->extent) * element_size;
         entry["pieces"].push_back({{"offset", piece->offset},
                                    {"extent", piece->extent},
                                    {"in_file_offset", piece->offset},
                                    {"xxh3", xxh3(bytes, piece_bytes)}});
-        bytes_written += piece_bytes;
+        written += piece_bytes;
       }
       if (view) report["tensors"].push_back(std::move(entry));
     }
-    file.close_checked("close shared file " + file_path.string());
+    phases.run("shared.close", [&] { file.close_checked("close shared file " + file_path.string()); });
+    phases.agree("file close");
   }
   // Every rank flushes its node's cached pages of the file (MPI-IO wrote through each of them).
+  // Local from here on: a failure is this rank's "no" vote.
   if (options.fsync) fsync_path(file_path, false);
   report["file_bytes"] = static_cast<std::uint64_t>(fs::file_size(file_path));
+  bytes_written += written;
   return report;
 }
 

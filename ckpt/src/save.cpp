@@ -1,5 +1,10 @@
 // save_checkpoint: shard files per rank, vote, index with virtual datasets, atomic commit.
+#include <fcntl.h>
+#include <stdio.h>
 #include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <map>
@@ -22,6 +27,9 @@ using detail::Box;
 namespace {
 
 std::string_view placement_name(Placement placement) { return detail::placement_name(placement); }
+
+// Runs of a piece hashed and then written while still in the CPU cache.
+constexpr std::uint64_t kWriteChunk = 4ULL << 20;
 
 }  // namespace
 
@@ -93,6 +101,30 @@ void detail::validate_tensors(std::span<const TensorView> tensors) {
   }
 }
 
+std::map<std::string, std::uint64_t> detail::replica_fingerprints(
+    std::span<const TensorView> tensors, ReplicaCheck mode) {
+  std::map<std::string, std::uint64_t> fingerprints;
+  if (mode == ReplicaCheck::off) return fingerprints;
+  constexpr std::uint64_t kWhole = 1 << 20;
+  constexpr std::uint64_t kBlock = 4096;
+  constexpr std::uint64_t kBlocks = 64;
+  for (const auto& t : tensors) {
+    if (t.placement != Placement::replicated) continue;
+    const std::uint64_t bytes = t.slice_bytes();
+    if (bytes == 0 || t.data == nullptr) continue;
+    if (mode == ReplicaCheck::full || bytes <= kWhole) {
+      fingerprints[t.name] = detail::xxh3(t.data, bytes);
+      continue;
+    }
+    detail::Xxh3Stream stream;  // same positions on every rank: they depend on the size only
+    for (std::uint64_t i = 0; i < kBlocks; ++i) {
+      stream.update(t.data + i * ((bytes - kBlock) / (kBlocks - 1)), kBlock);
+    }
+    fingerprints[t.name] = stream.digest();
+  }
+  return fingerprints;
+}
+
 // Writes this rank's shard file and returns its report for the vote.
 namespace {
 
@@ -132,15 +164,42 @@ json write_shard(const fs::path& directory, std::uint64_t step, std::span<const 
       const std::byte* bytes = piece ? detail::piece_data(t, *piece, gather_buffer, source) : nullptr;
       if (piece) {
         const std::uint64_t piece_bytes = element_count(piece->extent) * element_size;
-        const std::uint64_t hash = detail::xxh3(bytes, piece_bytes);
         h5::Handle type = h5::storage_type(t.dtype);
         h5::Handle space = h5::dataspace(piece->extent);
         h5::Handle dataset = h5::make_dataset(
             H5Dcreate2(file.get(), t.name.c_str(), type.get(), space.get(), lcpl.get(), dcpl.get(),
                        H5P_DEFAULT),
             fmt::format("create dataset {} in {}", t.name, file_path.string()));
-        h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes),
-                  fmt::format("write tensor {} to {}", t.name, file_path.string()));
+        // Straight from the caller's memory, in cache-sized runs hashed just before they are
+        // written: one pass over the bytes serves both (no staging copy, no separate hash pass).
+        detail::Xxh3Stream stream;
+        const std::string what = fmt::format("write tensor {} to {}", t.name, file_path.string());
+        if (piece_bytes <= kWriteChunk || piece->extent.empty()) {
+          stream.update(bytes, piece_bytes);
+          h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes),
+                    what);
+        } else {
+          h5::Handle file_space = h5::make_space(H5Dget_space(dataset.get()), "get dataspace");
+          std::vector<hsize_t> start(piece->extent.size()), count(piece->extent.size());
+          detail::for_each_chunk(
+              piece->extent, element_size, kWriteChunk,
+              [&](const Shape& chunk_start, const Shape& chunk_count, std::uint64_t offset,
+                  std::uint64_t chunk_bytes) {
+                std::copy(chunk_start.begin(), chunk_start.end(), start.begin());
+                std::copy(chunk_count.begin(), chunk_count.end(), count.begin());
+                h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(),
+                                              nullptr, count.data(), nullptr),
+                          what);
+                const hsize_t elements = chunk_bytes / element_size;
+                h5::Handle memory_space = h5::make_space(
+                    H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
+                stream.update(bytes + offset, chunk_bytes);
+                h5::check(H5Dwrite(dataset.get(), type.get(), memory_space.get(),
+                                   file_space.get(), H5P_DEFAULT, bytes + offset),
+                          what);
+              });
+        }
+        const std::uint64_t hash = stream.digest();
         h5::write_attr_string(dataset.get(), "dtype", dtype_name(t.dtype));
         h5::write_attr_u64_array(dataset.get(), "global_shape", t.global_shape,
                                  {t.global_shape.size()});
@@ -215,16 +274,30 @@ json merge_reports(const std::vector<json>& reports, std::uint64_t step, int wor
     std::uint64_t covered = 0;
     for (const auto& shard : tensor["shards"]) {
       Box box{shard["offset"].get<Shape>(), shard["extent"].get<Shape>()};
-      for (const auto& other : boxes) {
-        if (detail::intersect(box, other)) {
-          throw CheckpointError(fmt::format(
-              "tensor '{}': slices from different ranks overlap at offset {}; save each element "
-              "from exactly one rank (mark whole copies as replicated)",
-              name, detail::shape_string(box.offset)));
-        }
-      }
       covered += element_count(box.extent);
       boxes.push_back(std::move(box));
+    }
+    // Overlap check as a sweep along dimension 0: a box is compared only with the boxes whose
+    // dimension-0 range is still open, i.e. O(pieces) for row splits, not O(pieces^2).
+    if (!shape.empty()) {
+      std::sort(boxes.begin(), boxes.end(),
+                [](const Box& a, const Box& b) { return a.offset[0] < b.offset[0]; });
+      std::vector<const Box*> open;
+      for (const auto& box : boxes) {
+        std::erase_if(open, [&](const Box* o) { return o->offset[0] + o->extent[0] <= box.offset[0]; });
+        for (const Box* other : open) {
+          if (detail::intersect(box, *other)) {
+            throw CheckpointError(fmt::format(
+                "tensor '{}': slices from different ranks overlap at offset {}; save each element "
+                "from exactly one rank (mark whole copies as replicated)",
+                name, detail::shape_string(box.offset)));
+          }
+        }
+        open.push_back(&box);
+      }
+    } else if (boxes.size() > 1) {
+      throw CheckpointError(fmt::format("tensor '{}': the 0-d tensor is saved by {} ranks", name,
+                                        boxes.size()));
     }
     if (covered != element_count(shape)) {
       throw CheckpointError(fmt::format(
@@ -233,6 +306,33 @@ json merge_reports(const std::vector<json>& reports, std::uint64_t step, int wor
           name, covered, element_count(shape)));
     }
     manifest["tensors"].push_back(std::move(tensor));
+  }
+  // Replicated tensors: every rank must hold the same bytes (each wrote only its part).
+  std::map<std::string, std::pair<std::uint64_t, int>> reference;  // name -> (fingerprint, rank)
+  std::map<std::string, std::vector<int>> differing;
+  for (const auto& report : reports) {
+    if (!report.contains("fingerprints")) continue;
+    const int rank = report["rank"].get<int>();
+    for (const auto& [name, value] : report["fingerprints"].items()) {
+      const auto fingerprint = value.get<std::uint64_t>();
+      auto [it, inserted] = reference.try_emplace(name, fingerprint, rank);
+      if (!inserted && it->second.first != fingerprint) differing[name].push_back(rank);
+    }
+  }
+  if (!differing.empty()) {
+    std::vector<std::string> parts;
+    for (const auto& [name, ranks] : differing) {
+      std::vector<int> shown(ranks.begin(), ranks.begin() + std::min<std::size_t>(ranks.size(), 8));
+      parts.push_back(fmt::format("replicated tensor '{}' differs across ranks: rank(s) {}{} hold "
+                                  "other values than rank {}",
+                                  name, fmt::join(shown, ", "),
+                                  ranks.size() > shown.size() ? ", ..." : "",
+                                  reference[name].second));
+    }
+    throw CheckpointError(fmt::format(
+        "{}; a replicated tensor must be identical on every rank (broadcast it, or save it as "
+        "sharded)",
+        fmt::join(parts, "; ")));
   }
   return manifest;
 }
@@ -345,29 +445,96 @@ void write_index(const fs::path& directory, const json& manifest, const SaveOpti
   file.close_checked("close index " + index_path.string());
 }
 
-// Rank 0, after every rank voted yes: make the step durable and visible.
-void commit(const fs::path& root, const fs::path& temporary, std::uint64_t step,
-            const std::string& generation, const SaveOptions& options) {
+bool path_exists(const fs::path& path) {
+  struct stat info {};
+  return ::lstat(path.c_str(), &info) == 0;
+}
+
+// Makes `temporary` visible as `final_path`. If a step directory of that name exists it is
+// swapped atomically (renameat2 RENAME_EXCHANGE): there is no moment without a complete copy of
+// the step. Returns where the replaced copy now lives (empty if there was none). Throws if the
+// new step did not become visible (then the old one, if any, is still in place).
+fs::path publish(const fs::path& root, const fs::path& temporary, const fs::path& final_path,
+                 std::uint64_t step, const std::string& generation) {
+  if (!path_exists(final_path)) {
+    detail::rename_path(temporary, final_path);
+    return {};
+  }
+  if (!detail::rename_exchange_disabled()) {
+    if (::renameat2(AT_FDCWD, temporary.c_str(), AT_FDCWD, final_path.c_str(),
+                    RENAME_EXCHANGE) == 0) {
+      return temporary;  // now holds the old copy
+    }
+    if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP) {
+      throw CheckpointError(fmt::format("renameat2(RENAME_EXCHANGE) {} <-> {} failed: {}",
+                                        temporary.string(), final_path.string(),
+                                        std::strerror(errno)));
+    }
+  }
+  // The filesystem cannot exchange: move the old copy aside first. A crash between the two
+  // renames leaves step-<n>.replaced-<gen>, which list_steps() still treats as step n.
+  const fs::path aside =
+      root / (detail::step_name(step) + std::string(detail::kReplacedInfix) + generation);
+  detail::rename_path(final_path, aside);
+  detail::fault_point("commit.between_renames", 0);
+  if (::rename(temporary.c_str(), final_path.c_str()) != 0) {
+    const int saved = errno;
+    (void)::rename(aside.c_str(), final_path.c_str());  // put the old copy back
+    throw CheckpointError(fmt::format("rename {} -> {} failed: {}", temporary.string(),
+                                      final_path.string(), std::strerror(saved)));
+  }
+  return aside;
+}
+
+// Rank 0, after every rank voted yes: make the step durable and visible. Throws only if the
+// step was not committed; problems after that point are returned as warnings (the save is
+// committed and restore will use it).
+std::vector<std::string> commit(const fs::path& root, const fs::path& temporary,
+                                std::uint64_t step, const std::string& generation,
+                                const SaveOptions& options) {
   const fs::path final_path = root / detail::step_name(step);
   if (options.fsync) {
     detail::fsync_path(temporary / detail::kIndexFile, false);
     detail::fsync_path(temporary, true);
   }
-  std::error_code ec;
-  if (fs::exists(final_path, ec)) {
-    // Re-saving a step (e.g. after a restart): move the old one aside, removed below.
-    detail::rename_path(final_path, root / (detail::step_name(step) + ".replaced-" + generation));
+  detail::fault_point("commit.before_publish", 0);
+  const fs::path replaced = publish(root, temporary, final_path, step, generation);
+  // Committed. Nothing below may turn this into a reported failure.
+  std::vector<std::string> warnings;
+  auto attempt = [&](const char* what, const auto& action) {
+    try {
+      action();
+    } catch (const std::exception& e) {
+      warnings.push_back(fmt::format("step {} committed, but {} failed: {}", step, what, e.what()));
+    }
+  };
+  attempt("post-commit hook", [&] { detail::fault_point("commit.published", 0); });
+  if (options.fsync) attempt("fsync of the checkpoint directory", [&] { detail::fsync_path(root, true); });
+  attempt("updating 'latest'", [&] {
+    const fs::path link_temporary =
+        root / (std::string(detail::kLatestLink) + ".tmp-" + generation);
+    std::error_code ec;
+    fs::create_symlink(detail::step_name(step), link_temporary, ec);
+    if (ec) {
+      throw CheckpointError(fmt::format("cannot create symlink {}: {}", link_temporary.string(),
+                                        ec.message()));
+    }
+    try {
+      detail::rename_path(link_temporary, root / detail::kLatestLink);
+    } catch (...) {
+      fs::remove(link_temporary, ec);
+      throw;
+    }
+    if (options.fsync) detail::fsync_path(root, true);
+  });
+  if (!replaced.empty()) {
+    attempt("removing the replaced copy", [&] {
+      std::error_code ec;
+      fs::remove_all(replaced, ec);
+      if (ec) throw CheckpointError(fmt::format("remove {}: {}", replaced.string(), ec.message()));
+    });
   }
-  detail::rename_path(temporary, final_path);
-  if (options.fsync) detail::fsync_path(root, true);
-  const fs::path link_temporary = root / (std::string(detail::kLatestLink) + ".tmp-" + generation);
-  fs::create_symlink(detail::step_name(step), link_temporary, ec);
-  if (ec) {
-    throw CheckpointError(fmt::format("cannot create symlink {}: {}", link_temporary.string(),
-                                      ec.message()));
-  }
-  detail::rename_path(link_temporary, root / detail::kLatestLink);
-  if (options.fsync) detail::fsync_path(root, true);
+  return warnings;
 }
 
 std::string join_errors(const std::vector<std::string>& votes) {
@@ -389,16 +556,15 @@ fs::path step_directory(const fs::path& root, std::uint64_t step) {
 SaveResult save_checkpoint(const fs::path& root, std::uint64_t step,
                            std::span<const TensorView> tensors, const json& metadata,
                            Communicator& comm, const SaveOptions& options) {
-  return detail::save_checkpoint_from(root, step, tensors, metadata, comm, options,
-                                      detail::PieceSource::whole_tensor);
+  return detail::save_checkpoint_from(root, step, tensors, metadata, comm, options, {});
 }
 
 SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step,
                                         std::span<const TensorView> tensors, const json& metadata,
                                         Communicator& comm, const SaveOptions& options,
-                                        PieceSource source, const std::string* local_error) {
+                                        const SaveInputs& inputs) {
   const int rank = comm.rank();
-  // Round 1: rank 0 creates the temporary directory and tells everyone its name.
+  // Round 1 (broadcast): rank 0 creates the temporary directory and tells everyone its name.
   std::string proposal;
   if (rank == 0) {
     try {
@@ -412,75 +578,109 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
                              e.what());
     }
   }
-  const std::string generation = comm.allgather(proposal).at(0);
+  const std::string generation = comm.broadcast(proposal);
   if (!generation.empty() && generation[0] == '!') throw CheckpointError(generation.substr(1));
   const fs::path temporary = root / (detail::step_name(step) + ".tmp-" + generation);
 
-  // Round 2: every rank writes its shard and votes with its report (or its error).
+  // Round 2 (gather to rank 0): every rank writes its shard and votes with its report (or its
+  // error). A rank that already failed locally still takes part, voting no, so the other ranks
+  // never wait for it.
   SaveResult result;
   std::string vote;
   try {
-    // A rank that already failed locally (AsyncSaver's snapshot) still takes part in every
-    // round, voting no, so the other ranks never wait for it. (The shared-file layout's
-    // collective writes need every rank's data: there the error is thrown before round 1.)
-    if (local_error) throw CheckpointError(*local_error);
-    const json report =
-        options.layout == Layout::shared_file
-            ? detail::write_shared_file(temporary, step, tensors, comm, options, source,
-                                        result.bytes_written)
-            : write_shard(temporary, step, tensors, comm, options, source, result.bytes_written);
+    std::map<std::string, std::uint64_t> own_fingerprints;
+    const std::map<std::string, std::uint64_t>* fingerprints = inputs.fingerprints;
+    if (fingerprints == nullptr && inputs.local_error == nullptr) {
+      own_fingerprints = detail::replica_fingerprints(tensors, options.check_replicas);
+      fingerprints = &own_fingerprints;
+    }
+    json report;
+    if (options.layout == Layout::shared_file) {
+      // Collective: a local error is shared inside, so every rank fails in the same phase.
+      report = detail::write_shared_file(temporary, step, tensors, comm, options, inputs.source,
+                                         result.bytes_written, inputs.local_error);
+    } else {
+      if (inputs.local_error) throw CheckpointError(*inputs.local_error);
+      report = write_shard(temporary, step, tensors, comm, options, inputs.source,
+                           result.bytes_written);
+    }
+    if (fingerprints != nullptr && !fingerprints->empty()) report["fingerprints"] = *fingerprints;
     vote = report.dump();
   } catch (const std::exception& e) {
     vote = std::string("!") + e.what();
   }
-  const std::vector<std::string> votes = comm.allgather(vote);
-  if (const std::string errors = join_errors(votes); !errors.empty()) {
-    throw CheckpointError(fmt::format("checkpoint step {} not saved (previous one kept): {}", step,
-                                      errors));
-  }
+  const std::vector<std::string> votes = comm.gather(vote);
 
-  // Round 3: rank 0 writes the index, commits and reports the outcome.
+  // Round 3 (broadcast): rank 0 checks the votes, writes the index, commits and tells everyone
+  // the outcome: {"error": ...} (not committed, previous kept) or {"warnings": [...]}.
   std::string outcome;
   if (rank == 0) {
-    try {
-      std::vector<json> reports;
-      for (const auto& v : votes) reports.push_back(json::parse(v));
-      const json manifest = merge_reports(reports, step, comm.size(), metadata, options.layout);
-      write_index(temporary, manifest, options);
-      commit(root, temporary, step, generation, options);
+    json decision = json::object();
+    if (const std::string errors = join_errors(votes); !errors.empty()) {
+      decision["error"] = fmt::format("checkpoint step {} not saved (previous one kept): {}", step,
+                                      errors);
+    } else {
       try {
-        remove_partial_directories(root);
-        apply_retention(root, step, options.keep_last, options.keep_every);
-      } catch (const std::exception&) {
-        // Housekeeping failures never fail a committed save; the next save retries.
+        std::vector<json> reports;
+        reports.reserve(votes.size());
+        for (const auto& v : votes) reports.push_back(json::parse(v));
+        const json manifest = merge_reports(reports, step, comm.size(), metadata, options.layout);
+        write_index(temporary, manifest, options);
+        decision["warnings"] = commit(root, temporary, step, generation, options);
+        try {
+          remove_partial_directories(root);
+          apply_retention(root, step, options.keep_last, options.keep_every);
+        } catch (const std::exception&) {
+          // Housekeeping failures never fail a committed save; the next save retries.
+        }
+      } catch (const std::exception& e) {
+        decision["error"] = fmt::format("checkpoint step {} not committed (previous one kept): {}",
+                                        step, e.what());
       }
-    } catch (const std::exception& e) {
-      outcome = std::string("!") + e.what();
     }
+    if (decision.contains("error")) {
+      std::error_code ec;
+      fs::remove_all(temporary, ec);  // best effort; otherwise the next save removes it
+    }
+    outcome = decision.dump();
   }
-  const std::string committed = comm.allgather(outcome).at(0);
-  if (!committed.empty()) {
-    throw CheckpointError(fmt::format("checkpoint step {} not committed (previous one kept): {}",
-                                      step, committed.substr(1)));
-  }
+  const json decision = json::parse(comm.broadcast(outcome));
+  if (decision.contains("error")) throw CheckpointError(decision["error"].get<std::string>());
+  result.warnings = decision.value("warnings", std::vector<std::string>{});
   result.path = step_directory(root, step);
   return result;
 }
 
+namespace {
+// "step-<n>.replaced-<gen>" -> n
+std::optional<std::uint64_t> parse_replaced_name(std::string_view name) {
+  const auto infix = name.find(detail::kReplacedInfix);
+  if (infix == std::string_view::npos) return std::nullopt;
+  return detail::parse_step_name(name.substr(0, infix));
+}
+}  // namespace
+
 std::vector<StepEntry> list_steps(const fs::path& root) {
-  std::vector<StepEntry> steps;
+  std::map<std::uint64_t, fs::path> steps;
+  std::map<std::uint64_t, fs::path> replaced;
   std::error_code ec;
   fs::directory_iterator it(root, ec);
-  if (ec) return steps;
+  if (ec) return {};
   for (const auto& entry : it) {
     const std::string name = entry.path().filename().string();
-    if (auto step = detail::parse_step_name(name); step && entry.is_directory(ec)) {
-      steps.push_back({*step, entry.path()});
+    if (!entry.is_directory(ec)) continue;
+    if (auto step = detail::parse_step_name(name)) {
+      steps[*step] = entry.path();
+    } else if (auto old = parse_replaced_name(name)) {
+      replaced.emplace(*old, entry.path());
     }
   }
-  std::sort(steps.begin(), steps.end(),
-            [](const StepEntry& a, const StepEntry& b) { return a.step < b.step; });
-  return steps;
+  // A crash between the two renames of a non-atomic replacement left only the old copy.
+  for (const auto& [step, path] : replaced) steps.try_emplace(step, path);
+  std::vector<StepEntry> result;
+  result.reserve(steps.size());
+  for (const auto& [step, path] : steps) result.push_back({step, path});
+  return result;
 }
 
 void remove_partial_directories(const fs::path& root) {
@@ -488,12 +688,24 @@ void remove_partial_directories(const fs::path& root) {
   fs::directory_iterator it(root, ec);
   if (ec) return;
   std::vector<fs::path> stale;
+  std::vector<std::pair<fs::path, fs::path>> restore;  // replaced copy -> its step name
+  std::set<std::uint64_t> restored_steps;
   for (const auto& entry : it) {
     const std::string name = entry.path().filename().string();
+    if (auto old = parse_replaced_name(name)) {
+      const fs::path step_path = root / detail::step_name(*old);
+      if (!path_exists(step_path) && restored_steps.insert(*old).second) {
+        restore.emplace_back(entry.path(), step_path);
+        continue;
+      }
+    }
     if (detail::is_partial_name(name) ||
         name.rfind(std::string(detail::kLatestLink) + ".tmp-", 0) == 0) {
       stale.push_back(entry.path());
     }
+  }
+  for (const auto& [from, to] : restore) {
+    if (::rename(from.c_str(), to.c_str()) != 0) continue;  // retried by the next save
   }
   for (const auto& path : stale) fs::remove_all(path, ec);
 }

@@ -1,7 +1,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <new>
 #include <cstring>
 #include <random>
 
@@ -98,6 +100,95 @@ std::optional<Box> replicated_piece(const Shape& shape, int rank, int world_size
 }
 
 std::uint64_t xxh3(const void* data, std::size_t size) { return XXH3_64bits(data, size); }
+
+Xxh3Stream::Xxh3Stream() : state_(XXH3_createState()) {
+  if (state_ == nullptr) throw std::bad_alloc();
+  XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
+}
+Xxh3Stream::~Xxh3Stream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
+void Xxh3Stream::update(const void* data, std::size_t size) {
+  if (size > 0) XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, size);
+}
+std::uint64_t Xxh3Stream::digest() const {
+  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_));
+}
+
+void for_each_chunk(const Shape& extent, std::size_t element_size, std::uint64_t max_bytes,
+                    const std::function<void(const Shape&, const Shape&, std::uint64_t,
+                                             std::uint64_t)>& chunk) {
+  const std::size_t ndim = extent.size();
+  if (ndim == 0) {
+    chunk({}, {}, 0, element_size);
+    return;
+  }
+  if (element_count(extent) == 0) return;
+  std::vector<std::uint64_t> step_bytes(ndim);  // bytes of one step along dimension d
+  std::uint64_t inner = element_size;
+  for (std::size_t d = ndim; d > 0; --d) {
+    step_bytes[d - 1] = inner;
+    inner *= extent[d - 1];
+  }
+  std::size_t split = 0;  // chunk along this dimension; single indices before it
+  while (split + 1 < ndim && step_bytes[split] > max_bytes) ++split;
+  const std::uint64_t block = std::min<std::uint64_t>(
+      extent[split], std::max<std::uint64_t>(1, max_bytes / step_bytes[split]));
+  Shape start(ndim, 0), count(extent);
+  for (std::size_t d = 0; d < split; ++d) count[d] = 1;
+  std::uint64_t offset = 0;
+  while (true) {
+    for (std::uint64_t i = 0; i < extent[split]; i += block) {
+      start[split] = i;
+      count[split] = std::min(block, extent[split] - i);
+      const std::uint64_t bytes = count[split] * step_bytes[split];
+      chunk(start, count, offset, bytes);
+      offset += bytes;
+    }
+    start[split] = 0;
+    std::size_t d = split;
+    while (d > 0) {
+      --d;
+      if (++start[d] < extent[d]) break;
+      start[d] = 0;
+      if (d == 0) return;
+    }
+    if (split == 0) return;
+  }
+}
+
+std::optional<std::uint64_t> checked_add(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t out = 0;
+  if (__builtin_add_overflow(a, b, &out)) return std::nullopt;
+  return out;
+}
+std::optional<std::uint64_t> checked_mul(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) return std::nullopt;
+  return out;
+}
+std::optional<std::uint64_t> checked_element_count(const Shape& shape) {
+  std::uint64_t count = 1;
+  for (std::uint64_t extent : shape) {
+    auto next = checked_mul(count, extent);
+    if (!next) return std::nullopt;
+    count = *next;
+  }
+  return count;
+}
+
+namespace {
+FaultHook& fault_hook() {
+  static FaultHook hook;
+  return hook;
+}
+std::atomic<bool> exchange_disabled{false};
+}  // namespace
+
+void set_fault_hook(FaultHook hook) { fault_hook() = std::move(hook); }
+void fault_point(std::string_view point, int rank) {
+  if (const FaultHook& hook = fault_hook()) hook(point, rank);
+}
+void set_rename_exchange_disabled(bool disabled) { exchange_disabled = disabled; }
+bool rename_exchange_disabled() { return exchange_disabled; }
 
 std::string hex64(std::uint64_t value) { return fmt::format("{:016x}", value); }
 

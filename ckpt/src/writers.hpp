@@ -2,6 +2,7 @@
 // Private: pieces of save_checkpoint shared between the file-per-rank and shared-file writers.
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <span>
 
 #include <nlohmann/json.hpp>
@@ -21,11 +22,23 @@ inline std::string_view placement_name(Placement placement) {
 // rank's piece, already extracted (AsyncSaver snapshots just that: ~1/N of the bytes).
 enum class PieceSource { whole_tensor, rank_piece_only };
 
+struct SaveInputs {
+  PieceSource source = PieceSource::whole_tensor;
+  // This rank already failed (AsyncSaver's snapshot): it takes part in every round, voting no.
+  const std::string* local_error = nullptr;
+  // Replicated tensors' fingerprints (name -> hash), computed from the whole tensors by the
+  // caller when the views hold only this rank's piece (rank_piece_only).
+  const std::map<std::string, std::uint64_t>* fingerprints = nullptr;
+};
+
 SaveResult save_checkpoint_from(const std::filesystem::path& root, std::uint64_t step,
                                 std::span<const TensorView> tensors,
                                 const nlohmann::json& metadata, Communicator& comm,
-                                const SaveOptions& options, PieceSource source,
-                                const std::string* local_error = nullptr);
+                                const SaveOptions& options, const SaveInputs& inputs);
+
+// Fingerprints of the replicated tensors in `tensors` (whole tensors in memory).
+std::map<std::string, std::uint64_t> replica_fingerprints(std::span<const TensorView> tensors,
+                                                          ReplicaCheck mode);
 
 // The box of `t` this rank writes (nullopt: nothing) and a pointer to its C-contiguous bytes
 // (the caller's memory when possible, else gathered into gather_buffer).
@@ -39,9 +52,14 @@ void validate_tensors(std::span<const TensorView> tensors);
 
 // Collective over an MpiCommunicator: writes every rank's pieces into <directory>/data.h5 with
 // MPI-IO (collective metadata and transfers). Returns this rank's report for the vote.
+// Every rank calls it, also one that already failed (local_error): the error is shared in the
+// first collective round and all ranks throw together. After each collective phase the ranks
+// agree on a status flag, so a failure on one rank (e.g. a write error) makes every rank throw
+// an error naming it instead of leaving the others blocked in the next collective call.
 nlohmann::json write_shared_file(const std::filesystem::path& directory, std::uint64_t step,
                                  std::span<const TensorView> tensors, Communicator& comm,
                                  const SaveOptions& options, PieceSource source,
-                                 std::uint64_t& bytes_written);
+                                 std::uint64_t& bytes_written,
+                                 const std::string* local_error = nullptr);
 
 }  // namespace elastrun::ckpt::detail

@@ -1,5 +1,7 @@
 // elastrun-ckpt: list, inspect, verify and export checkpoints.
+#include <algorithm>
 #include <iostream>
+#include <set>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -27,8 +29,13 @@ std::string human_bytes(std::uint64_t bytes) {
 std::uint64_t directory_bytes(const fs::path& dir) {
   std::uint64_t total = 0;
   std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    if (entry.is_regular_file(ec)) total += entry.file_size(ec);
+  fs::directory_iterator it(dir, ec);
+  for (; !ec && it != fs::directory_iterator(); it.increment(ec)) {
+    std::error_code entry_ec;
+    if (it->is_regular_file(entry_ec)) {
+      const auto size = it->file_size(entry_ec);
+      if (!entry_ec) total += size;
+    }
   }
   return total;
 }
@@ -57,22 +64,30 @@ int command_ls(const fs::path& root) {
   std::string latest;
   if (fs::is_symlink(root / "latest", ec)) latest = fs::read_symlink(root / "latest", ec).string();
   fmt::print("{:<16} {:>10} {:>6}  {}\n", "STEP", "SIZE", "WORLD", "STATUS");
+  // Every step gets a line: a damaged one is shown as INVALID with the reason, never aborts.
+  std::set<fs::path> listed;
   for (const auto& entry : list_steps(root)) {
+    listed.insert(entry.path);
     std::string status = "ok";
     std::string world = "?";
     try {
       Checkpoint checkpoint(entry.path);
       world = std::to_string(checkpoint.world_size());
       checkpoint.check_files();
-    } catch (const CheckpointError& e) {
+    } catch (const std::exception& e) {
       status = std::string("INVALID: ") + e.what();
     }
+    std::replace(status.begin(), status.end(), '\n', ' ');
     const std::string name = entry.path.filename().string();
+    if (name != elastrun::ckpt::step_directory("", entry.step).string()) {
+      status += fmt::format(" (recovered copy {})", name);
+    }
     fmt::print("{:<16} {:>10} {:>6}  {}{}\n", entry.step, human_bytes(directory_bytes(entry.path)),
                world, status, name == latest ? " (latest)" : "");
   }
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
+    if (listed.contains(entry.path())) continue;
     if (name.rfind("step-", 0) == 0 && name.find('.') != std::string::npos) {
       fmt::print("{:<16} {:>10} {:>6}  partial (interrupted save, ignored; removed by the next "
                  "save)\n",

@@ -17,31 +17,104 @@ C10dStoreCommunicator::C10dStoreCommunicator(c10d::Store& store, int rank, int w
   }
 }
 
-std::string C10dStoreCommunicator::key(std::uint64_t round, int rank) const {
-  return fmt::format("{}/{}/{}", prefix_, round, rank);
+std::string C10dStoreCommunicator::key(std::uint64_t seq, std::string_view kind, int rank) const {
+  return fmt::format("{}/{}/{}/{}", prefix_, seq, kind, rank);
+}
+
+void C10dStoreCommunicator::fail(std::string_view what, std::uint64_t seq,
+                                 const std::exception& e) const {
+  throw CheckpointError(fmt::format("rank {}: store {} '{}' call {} failed (a peer died, fell out "
+                                    "of step, or the store timed out): {}",
+                                    rank_, what, prefix_, seq, e.what()));
+}
+
+namespace {
+std::vector<std::uint8_t> bytes_of(std::string_view text) {
+  return std::vector<std::uint8_t>(text.begin(), text.end());
+}
+void delete_quietly(c10d::Store& store, const std::string& key) {
+  try {
+    (void)store.deleteKey(key);
+  } catch (const std::exception&) {
+    // Stores without deleteKey (FileStore) keep the key; it is never read again.
+  }
+}
+}  // namespace
+
+std::vector<std::string> C10dStoreCommunicator::gather_at(std::uint64_t seq, std::string_view mine) {
+  std::vector<std::string> gathered;
+  try {
+    if (rank_ != 0) {
+      store_.set(key(seq, "g", rank_), bytes_of(mine));
+      return gathered;
+    }
+    gathered.emplace_back(mine);
+    for (int r = 1; r < world_size_; ++r) {
+      const std::string k = key(seq, "g", r);
+      store_.wait({k});
+      const std::vector<std::uint8_t> value = store_.get(k);
+      gathered.emplace_back(value.begin(), value.end());
+      delete_quietly(store_, k);
+    }
+  } catch (const std::exception& e) {
+    fail("gather", seq, e);
+  }
+  return gathered;
+}
+
+std::string C10dStoreCommunicator::broadcast_at(std::uint64_t seq, std::string_view mine) {
+  const std::string k = key(seq, "b", 0);
+  try {
+    if (world_size_ == 1) return std::string(mine);
+    if (rank_ == 0) {
+      store_.set(k, bytes_of(mine));
+      return std::string(mine);
+    }
+    store_.wait({k});
+    const std::vector<std::uint8_t> value = store_.get(k);
+    // The last of the world-1 readers removes the value and the counter.
+    if (store_.add(k + "/read", 1) == world_size_ - 1) {
+      delete_quietly(store_, k);
+      delete_quietly(store_, k + "/read");
+    }
+    return std::string(value.begin(), value.end());
+  } catch (const std::exception& e) {
+    fail("broadcast", seq, e);
+  }
+}
+
+std::vector<std::string> C10dStoreCommunicator::gather(std::string_view mine) {
+  return gather_at(seq_++, mine);
+}
+
+std::string C10dStoreCommunicator::broadcast(std::string_view mine) {
+  return broadcast_at(seq_++, mine);
 }
 
 std::vector<std::string> C10dStoreCommunicator::allgather(std::string_view mine) {
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size_; ++r) keys.push_back(key(round_, r));
-  std::vector<std::string> gathered;
-  try {
-    store_.set(keys[static_cast<std::size_t>(rank_)],
-               std::vector<std::uint8_t>(mine.begin(), mine.end()));
-    store_.wait(keys);
-    for (const auto& k : keys) {
-      const std::vector<std::uint8_t> value = store_.get(k);
-      gathered.emplace_back(value.begin(), value.end());
-    }
-    // Everyone has set round_'s key, so everyone finished reading round_-1: drop ours.
-    if (round_ > 0) store_.deleteKey(key(round_ - 1, rank_));
-  } catch (const std::exception& e) {
-    throw CheckpointError(fmt::format("rank {}: store all-gather '{}' round {} failed (a peer "
-                                      "died or the store timed out): {}",
-                                      rank_, prefix_, round_, e.what()));
+  const std::uint64_t seq = seq_++;
+  const std::vector<std::string> gathered = gather_at(seq, mine);
+  // Rank 0 broadcasts the contributions as one length-prefixed message.
+  std::string packed;
+  for (const auto& part : gathered) {
+    packed += fmt::format("{}:", part.size());
+    packed += part;
   }
-  ++round_;
-  return gathered;
+  const std::string all = broadcast_at(seq, packed);
+  std::vector<std::string> result;
+  std::size_t position = 0;
+  while (position < all.size()) {
+    const auto colon = all.find(':', position);
+    const std::size_t length = std::stoull(all.substr(position, colon - position));
+    result.push_back(all.substr(colon + 1, length));
+    position = colon + 1 + length;
+  }
+  if (result.size() != static_cast<std::size_t>(world_size_)) {
+    throw CheckpointError(fmt::format("rank {}: store all-gather '{}' call {} returned {} parts "
+                                      "for world {}",
+                                      rank_, prefix_, seq, result.size(), world_size_));
+  }
+  return result;
 }
 
 }  // namespace elastrun::ckpt

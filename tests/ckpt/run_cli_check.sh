@@ -28,6 +28,32 @@ expect_one_error_line "$tool" inspect "$work/expected"
 expect_one_error_line "$tool" verify /etc
 expect_one_error_line "$tool" export "$work/missing" --to "$work/x.safetensors"
 
+# ls lists every step even when some are damaged: each bad one is INVALID with its reason.
+cp -r "$step" "$work/ckpt/step-000000043"
+printf 'not an hdf5 file' > "$work/ckpt/step-000000043/index.h5"
+cp -r "$step" "$work/ckpt/step-000000044"
+/usr/bin/python3 - "$work/ckpt/step-000000044/index.h5" <<'PY' || fail "rewriting a manifest"
+import json, sys
+import h5py, numpy
+with h5py.File(sys.argv[1], "r+") as f:
+    manifest = json.loads(f["_elastrun/manifest"][()].decode())
+    manifest["world_size"] = "four"
+    del f["_elastrun/manifest"]
+    f["_elastrun/manifest"] = numpy.bytes_(json.dumps(manifest))
+PY
+mkdir "$work/ckpt/step-000000045"
+cp -r "$step" "$work/ckpt/step-000000046"
+rm "$work/ckpt/step-000000046/shard-00002-of-00004.h5"
+"$tool" ls "$work/ckpt" > "$work/ls2.out" 2> "$work/err" || fail "ls of damaged steps exit: $(cat "$work/err")"
+[ "$(wc -l < "$work/ls2.out")" -eq 6 ] || fail "ls of damaged steps: $(cat "$work/ls2.out")"
+grep -q "^42 .* 4  ok (latest)" "$work/ls2.out" || fail "ls2 42: $(cat "$work/ls2.out")"
+grep -q "^43 .*INVALID: .*index.h5" "$work/ls2.out" || fail "ls2 43: $(cat "$work/ls2.out")"
+grep -q "^44 .*INVALID: .*world_size" "$work/ls2.out" || fail "ls2 44: $(cat "$work/ls2.out")"
+grep -q "^45 .*INVALID: .*index.h5.*missing" "$work/ls2.out" || fail "ls2 45: $(cat "$work/ls2.out")"
+grep -q "^46 .*INVALID: .*shard-00002-of-00004.h5.*missing" "$work/ls2.out" || fail "ls2 46: $(cat "$work/ls2.out")"
+expect_one_error_line "$tool" inspect "$work/ckpt/step-000000044"
+expect_one_error_line "$tool" verify "$work/ckpt/step-000000043"
+
 # Flip one byte of tensor data (located with h5py): verify must fail naming the file.
 shard="$step/shard-00001-of-00004.h5"
 /usr/bin/python3 - "$shard" <<'PY' || fail "corrupting the shard"

@@ -6,9 +6,13 @@
 
 #include <memory>
 
+#include <fmt/format.h>
+
+#include "elastrun/ckpt/async_saver.hpp"
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "elastrun/ckpt/mpi_comm.hpp"
 #include "h5.hpp"
+#include "internal.hpp"
 #include "test_support.hpp"
 
 namespace elastrun::ckpt {
@@ -160,6 +164,81 @@ TEST_F(CkptMpi, SharedFileRejectsDisagreementOnEveryRank) {
   EXPECT_THROW(save_checkpoint(dir.path(), 1, std::span(&view, 1), {}, comm, options),
                CheckpointError);
   EXPECT_TRUE(list_steps(dir.path()).empty());
+}
+
+// Installs a fault hook for the lifetime of the object.
+class FaultHookGuard {
+ public:
+  explicit FaultHookGuard(detail::FaultHook hook) { detail::set_fault_hook(std::move(hook)); }
+  ~FaultHookGuard() { detail::set_fault_hook(nullptr); }
+  FaultHookGuard(const FaultHookGuard&) = delete;
+  FaultHookGuard& operator=(const FaultHookGuard&) = delete;
+};
+
+// A failure on one rank at `point` of the collective shared-file write must make every rank
+// throw an error naming that rank (not block the others in the next collective call), and keep
+// the previous step.
+void expect_one_rank_failure_fails_all(MpiCommunicator& comm, const std::string& point,
+                                       int failing_rank, bool async) {
+  SharedTempDir dir(comm);
+  const auto model = testing::world4_model(61);
+  std::vector<std::vector<std::byte>> slices;
+  const auto views = views_for_rank(model, comm.rank(), slices);
+  SaveOptions options;
+  options.layout = Layout::shared_file;
+  options.fsync = false;
+  save_checkpoint(dir.path(), 1, views, {}, comm, options);
+  std::string message;
+  {
+    FaultHookGuard hook([&](std::string_view p, int rank) {
+      if (p == point && rank == failing_rank) {
+        throw CheckpointError("injected failure at " + point);
+      }
+    });
+    try {
+      if (async) {
+        AsyncSaver saver(dir.path(), comm, options);
+        saver.save(2, views, {});
+        saver.wait();
+      } else {
+        save_checkpoint(dir.path(), 2, views, {}, comm, options);
+      }
+    } catch (const CheckpointError& e) {
+      message = e.what();
+    }
+  }
+  EXPECT_NE(message.find(fmt::format("rank {}", failing_rank)), std::string::npos)
+      << point << ": " << message;
+  EXPECT_NE(message.find("injected failure at " + point), std::string::npos) << message;
+  comm.barrier();
+  const auto steps = list_steps(dir.path());
+  ASSERT_EQ(steps.size(), 1U) << point;
+  EXPECT_EQ(steps[0].step, 1U);
+  comm.barrier();
+}
+
+TEST_F(CkptMpi, SharedFileFailureOnOneRankFailsEveryRankWithoutDeadlock) {
+  expect_one_rank_failure_fails_all(comm, "shared.write", 2, false);  // a failed write
+  expect_one_rank_failure_fails_all(comm, "shared.prepare", 1, false);
+  expect_one_rank_failure_fails_all(comm, "shared.create", 3, false);
+  expect_one_rank_failure_fails_all(comm, "shared.create_dataset", 0, false);
+  expect_one_rank_failure_fails_all(comm, "shared.close", 2, false);
+}
+
+TEST_F(CkptMpi, SharedFileAsyncSnapshotFailureOnOneRankFailsEveryRank) {
+  expect_one_rank_failure_fails_all(comm, "async.snapshot", 3, true);
+  expect_one_rank_failure_fails_all(comm, "shared.write", 1, true);
+}
+
+TEST_F(CkptMpi, GatherAndBroadcast) {
+  const auto gathered = comm.gather(std::string(static_cast<std::size_t>(comm.rank()) * 3, 'x'));
+  if (comm.rank() == 0) {
+    ASSERT_EQ(gathered.size(), 4U);
+    for (int r = 0; r < 4; ++r) EXPECT_EQ(gathered[static_cast<std::size_t>(r)].size(), 3U * r);
+  } else {
+    EXPECT_TRUE(gathered.empty());
+  }
+  EXPECT_EQ(comm.broadcast(comm.rank() == 0 ? "root says" : "nobody listens"), "root says");
 }
 
 }  // namespace

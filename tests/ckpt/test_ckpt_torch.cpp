@@ -5,6 +5,8 @@
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <fmt/format.h>
+
 #include <functional>
 #include <thread>
 
@@ -116,8 +118,36 @@ TEST(CkptTorch, C10dStoreCommunicatorDrivesSaveAndRestore) {
                                                  static_cast<int64_t>(rows))));
     EXPECT_TRUE(torch::equal(b, bias));
   });
-  // Old rounds are cleaned up: at most one key per rank and group survives.
-  EXPECT_LE(store->getNumKeys(), 3 + 2);
+  // Every call cleans up after itself: no key survives.
+  EXPECT_EQ(store->getNumKeys(), 0);
+}
+
+// Calls are keyed by their sequence number and leave no keys behind, so a new group reusing
+// the prefix (or a later save) never reads an earlier call's values.
+TEST(CkptTorch, C10dStoreCommunicatorNeverReadsStaleKeys) {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::seconds(60));
+  for (const char* group : {"first", "second", "third"}) {
+    run_store_ranks(*store, 3, "job/ckpt", [&](int rank, Communicator& comm) {
+      for (int call = 0; call < 3; ++call) {
+        const std::string mine = fmt::format("{}-{}-{}", group, call, rank);
+        const auto all = comm.allgather(mine);
+        ASSERT_EQ(all.size(), 3U);
+        for (int r = 0; r < 3; ++r) {
+          EXPECT_EQ(all[static_cast<std::size_t>(r)], fmt::format("{}-{}-{}", group, call, r));
+        }
+        const auto gathered = comm.gather(mine);
+        if (rank == 0) {
+          ASSERT_EQ(gathered.size(), 3U);
+          EXPECT_EQ(gathered[2], fmt::format("{}-{}-2", group, call));
+        } else {
+          EXPECT_TRUE(gathered.empty());
+        }
+        EXPECT_EQ(comm.broadcast(mine), fmt::format("{}-{}-0", group, call));
+      }
+    });
+    EXPECT_EQ(store->getNumKeys(), 0) << group;
+  }
 }
 
 TEST(CkptTorch, DTypeMapping) {

@@ -36,6 +36,7 @@ class AsyncSaver {
     std::uint64_t step = 0;
     std::vector<TensorView> views;  // point into staging_
     nlohmann::json metadata;
+    std::map<std::string, std::uint64_t> fingerprints;  // replicated tensors, whole-tensor
     std::optional<std::string> error;  // this rank's snapshot failed: vote no in every round
   };
   struct Staging {

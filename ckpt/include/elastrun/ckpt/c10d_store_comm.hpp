@@ -1,9 +1,13 @@
 #pragma once
 // Communicator over a c10d::Store (the TCPStore workers already share via MASTER_ADDR/PORT, or
-// a HashStore/FileStore). Part of elastrun_ckpt_torch. Each allgather round writes one key per
-// rank under `prefix`; a rank deletes its key of round r once round r+1 completed (by then every
-// rank has read it). Use a prefix unique per job generation (e.g. include
-// TORCHELASTIC_RESTART_COUNT): a restarted group must not see the previous group's keys.
+// a HashStore/FileStore). Part of elastrun_ckpt_torch.
+// Every collective call is numbered (the same sequence on every rank, advanced even when a call
+// fails) and its keys are "<prefix>/<seq>/<kind>/<rank>": a call never reads another call's
+// keys, so a rank that fell out of step times out with an error naming the call instead of
+// using stale data. gather: each rank sets one key, rank 0 reads and deletes them (O(world)
+// store operations); broadcast: rank 0 sets one key, every rank reads it and the last reader
+// deletes it; allgather = gather + broadcast. No key outlives a completed call. Still use a
+// prefix unique per job generation (e.g. include TORCHELASTIC_RESTART_COUNT).
 #include <cstdint>
 #include <string>
 
@@ -22,15 +26,20 @@ class C10dStoreCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return world_size_; }
   std::vector<std::string> allgather(std::string_view mine) override;
+  std::vector<std::string> gather(std::string_view mine) override;
+  std::string broadcast(std::string_view mine) override;
 
  private:
-  std::string key(std::uint64_t round, int rank) const;
+  std::string key(std::uint64_t seq, std::string_view kind, int rank) const;
+  std::vector<std::string> gather_at(std::uint64_t seq, std::string_view mine);
+  std::string broadcast_at(std::uint64_t seq, std::string_view mine);
+  [[noreturn]] void fail(std::string_view what, std::uint64_t seq, const std::exception& e) const;
 
   c10d::Store& store_;
   int rank_;
   int world_size_;
   std::string prefix_;
-  std::uint64_t round_ = 0;
+  std::uint64_t seq_ = 0;
 };
 
 }  // namespace elastrun::ckpt

@@ -23,6 +23,15 @@ enum class Layout : std::uint8_t {
   shared_file,    // one data.h5 written collectively with MPI-IO + index.h5 (MpiCommunicator)
 };
 
+// How save checks that a replicated tensor is identical on every rank (each rank writes only
+// 1/N of it, so a rank holding different values would silently mix copies). Each rank sends a
+// fingerprint per replicated tensor with its vote; rank 0 compares them.
+enum class ReplicaCheck : std::uint8_t {
+  off,
+  sampled,  // default: xxh3 of the whole tensor up to 1 MiB, else of 64 spread 4 KiB blocks
+  full,     // xxh3 of every byte (one extra read of each replicated tensor per rank)
+};
+
 struct SaveOptions {
   Layout layout = Layout::file_per_rank;
   // HDF5 data alignment in bytes (set to the filesystem stripe size); 0 = HDF5 default.
@@ -37,17 +46,26 @@ struct SaveOptions {
   // (0 = keep all) plus every step divisible by `keep_every` (0 = none).
   int keep_last = 0;
   std::uint64_t keep_every = 0;
+  ReplicaCheck check_replicas = ReplicaCheck::sampled;
+  // Shared-file layout: let MPI-IO aggregate the collective transfers (two-phase I/O through a
+  // few aggregator ranks; can help for many small, interleaved pieces). Off: each rank writes
+  // its pieces directly within the collective call (less memory, no extra copy).
+  bool shared_file_aggregation = false;
 };
 
 struct SaveResult {
   std::filesystem::path path;  // committed step directory
   std::uint64_t bytes_written = 0;  // this rank's tensor bytes
+  // Problems after the step was committed (it is durable and visible; restore will use it),
+  // e.g. `latest` could not be updated or the replaced copy not removed. Same on every rank.
+  std::vector<std::string> warnings;
 };
 
 // Collective: every rank of `comm` calls it with its tensors. Writes
 // <root>/step-<step>.tmp-<gen>/, votes, and (rank 0) renames it to <root>/step-<step>/ and
 // points <root>/latest at it. Throws CheckpointError on every rank if any rank failed; the
-// previous checkpoint is untouched in that case.
+// previous checkpoint is untouched in that case. Re-saving an existing step swaps the new
+// directory in atomically (renameat2 RENAME_EXCHANGE), so a good copy of the step always exists.
 SaveResult save_checkpoint(const std::filesystem::path& root, std::uint64_t step,
                            std::span<const TensorView> tensors, const nlohmann::json& metadata,
                            Communicator& comm, const SaveOptions& options = {});
@@ -98,8 +116,13 @@ class Checkpoint {
   void check_files() const;
   // Reads every shard dataset and compares hashes. Returns one line per problem (empty = ok).
   std::vector<std::string> verify_all();
+  // Checks that `target` fits the tensor (CheckpointError: a caller mistake) and that the shard
+  // pieces it overlaps are readable and, with options.verify, hash-correct
+  // (CorruptCheckpointError). Never writes to target.data.
+  void check_read(const TensorTarget& target, const ReadOptions& options = {});
   // Reads the box target.offset/extent of tensor target.name into target.data, touching only
-  // the shard bytes that overlap it. Throws CorruptCheckpointError on damaged data.
+  // the shard bytes that overlap it. With options.verify the overlapping pieces are hashed
+  // before anything is written to target.data. Throws CorruptCheckpointError on damaged data.
   void read(const TensorTarget& target, const ReadOptions& options = {});
 
  private:
@@ -112,7 +135,9 @@ struct StepEntry {
   std::filesystem::path path;
 };
 
-// Committed step directories under root, oldest first (partial .tmp directories excluded).
+// Committed step directories under root, oldest first (partial .tmp directories excluded; a
+// "step-<n>.replaced-<gen>" left by a crash while replacing step n counts as step n when
+// step-<n> itself is missing).
 std::vector<StepEntry> list_steps(const std::filesystem::path& root);
 std::filesystem::path step_directory(const std::filesystem::path& root, std::uint64_t step);
 
@@ -131,6 +156,8 @@ struct RestoreResult {
 
 // Collective: loads the newest checkpoint whose every target reads (and verifies) on every
 // rank; falls back to older ones otherwise. Targets may use any sharding and any world size.
+// Every rank first checks (and, with verify, hashes) everything it will read; the targets are
+// written only once all ranks agreed on a step, so a rejected step leaves them untouched.
 // Returns nullopt if there is no loadable checkpoint.
 std::optional<RestoreResult> restore_latest(const std::filesystem::path& root,
                                             std::span<const TensorTarget> targets,

@@ -1,6 +1,9 @@
 #pragma once
-// The collective the checkpoint protocol needs: an all-gather of small byte strings (shard
-// manifests, votes). Implement it over c10d, MPI or the rendezvous store.
+// The collectives the checkpoint protocol needs, over small byte strings (shard manifests,
+// votes): all-gather, plus gather-to-rank-0 and broadcast-from-rank-0, which the save/restore
+// votes use so that their traffic grows with the world size, not its square. Implement
+// allgather (and override gather/broadcast for O(world) traffic) over c10d, MPI or the
+// rendezvous store.
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -19,6 +22,12 @@ class Communicator {
   // Every rank contributes `mine`; every rank receives all contributions indexed by rank.
   // Must be called by all ranks in the same order (it is also the barrier).
   virtual std::vector<std::string> allgather(std::string_view mine) = 0;
+  // Every rank contributes `mine`; rank 0 receives all contributions indexed by rank, the other
+  // ranks an empty vector. Same ordering rule as allgather. The default uses allgather.
+  virtual std::vector<std::string> gather(std::string_view mine);
+  // Every rank receives rank 0's `mine` (the other ranks' arguments are ignored). The default
+  // uses allgather.
+  virtual std::string broadcast(std::string_view mine);
   void barrier() { (void)allgather({}); }
 };
 

@@ -13,6 +13,8 @@ class MpiCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   std::vector<std::string> allgather(std::string_view mine) override;
+  std::vector<std::string> gather(std::string_view mine) override;
+  std::string broadcast(std::string_view mine) override;
   MPI_Comm comm() const { return comm_; }
 
  private:
