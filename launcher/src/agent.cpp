@@ -18,15 +18,20 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <nlohmann/json.hpp>
+
+#include "elastrun/control.hpp"
 #include "elastrun/rdzv/auth.hpp"
 #include "elastrun/rdzv/bootstrap.hpp"
 #include "elastrun/rdzv/env.hpp"
 #include "elastrun/rdzv/etcd.hpp"
 #include "elastrun/rdzv/hostlist.hpp"
 #include "elastrun/rdzv/rendezvous.hpp"
+#include "elastrun/rdzv/slurm_api.hpp"
 #include "elastrun/rdzv/store.hpp"
 #include "error_file.hpp"
 #include "options.hpp"
+#include "requeue.hpp"
 #include "workers.hpp"
 
 extern char** environ;
@@ -40,36 +45,57 @@ using Clock = std::chrono::steady_clock;
 
 // After a local worker failure: how long to look for a membership change that explains it.
 constexpr Millis kFailureSettle{300};
+// How often a multi-node agent looks for another agent's checkpoint-and-stop request.
+constexpr Millis kStopRequestPoll{1000};
+// Beyond --checkpoint-timeout: how long agents wait for each other after checkpointing.
+constexpr Millis kCheckpointBarrierSlack{30'000};
 
-// ---- agent signals: SIGTERM/SIGINT/SIGHUP/SIGQUIT ------------------------------------------
+// ---- agent signals -------------------------------------------------------------------------
 // Blocked in every thread (set before any thread starts) and taken by one thread with sigwait.
-// While workers run, the monitor loop stops them (SIGTERM, grace, SIGKILL) and exits 128+sig;
-// with no workers (rendezvous, exit barrier) the agent exits at once.
-std::atomic<int> g_signal{0};
+// SIGINT/SIGHUP/SIGQUIT stop: while workers run, the monitor loop stops them (SIGTERM, grace,
+// SIGKILL) and exits 128+sig; with no workers (rendezvous, exit barrier) the agent exits at once.
+// SIGUSR1/SIGUSR2 (Slurm's --signal time-limit warning) and SIGTERM (preemption) ask the workers
+// to checkpoint and stop through the control channel (state CHECKPOINT_STOP); once that is under
+// way, further ones (e.g. Slurm's SIGTERM after our own requeue) are only logged.
+std::atomic<int> g_signal{0};             // a stop signal
+std::atomic<int> g_checkpoint_signal{0};  // a checkpoint-and-stop signal
 std::atomic<bool> g_workers_active{false};
+std::atomic<bool> g_checkpoint_stopping{false};
 
-sigset_t stop_signals() {
+bool is_checkpoint_signal(int sig) { return sig == SIGUSR1 || sig == SIGUSR2 || sig == SIGTERM; }
+
+sigset_t agent_signals() {
   sigset_t set;
   sigemptyset(&set);
-  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT}) sigaddset(&set, sig);
+  for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2}) sigaddset(&set, sig);
   return set;
 }
 
 void start_signal_thread() {
-  sigset_t set = stop_signals();
+  sigset_t set = agent_signals();
   if (int rc = pthread_sigmask(SIG_BLOCK, &set, nullptr); rc != 0)
     throw std::system_error(rc, std::generic_category(), "pthread_sigmask");
   std::thread([set] {
     while (true) {
       int sig = 0;
       if (sigwait(&set, &sig) != 0) continue;
-      g_signal = sig;
+      if (is_checkpoint_signal(sig) && g_checkpoint_stopping) {
+        spdlog::info("received {}: already stopping for a checkpoint; ignored", signal_name(sig));
+        continue;
+      }
       if (!g_workers_active) {
         spdlog::info("received {}: no workers running; exiting {}", signal_name(sig), 128 + sig);
         spdlog::default_logger()->flush();
         ::_exit(128 + sig);
       }
-      spdlog::info("received {}: stopping workers", signal_name(sig));
+      if (is_checkpoint_signal(sig)) {
+        int none = 0;
+        g_checkpoint_signal.compare_exchange_strong(none, sig);
+        spdlog::info("received {}: asking workers to checkpoint and stop", signal_name(sig));
+      } else {
+        g_signal = sig;
+        spdlog::info("received {}: stopping workers", signal_name(sig));
+      }
     }
   }).detach();
 }
@@ -82,7 +108,7 @@ void ensure_std_fds() {
   }
 }
 
-enum class State { Rendezvous, StartWorkers, Monitor, Succeeded, Failed, Restart, MembershipChanged };
+enum class State { Rendezvous, StartWorkers, Monitor, Succeeded, Failed, Restart, MembershipChanged, CheckpointStop };
 std::string_view to_string(State s) {
   switch (s) {
     case State::Rendezvous: return "RENDEZVOUS";
@@ -92,6 +118,7 @@ std::string_view to_string(State s) {
     case State::Failed: return "FAILED";
     case State::Restart: return "RESTART";
     case State::MembershipChanged: return "MEMBERSHIP_CHANGED";
+    case State::CheckpointStop: return "CHECKPOINT_STOP";
   }
   return "?";
 }
@@ -133,6 +160,32 @@ struct Failure {
     return signal ? fmt::format("killed by {} ({})", signal_name(signal), signal)
                   : fmt::format("exited with code {}", exit_code);
   }
+  nlohmann::json to_json() const {
+    nlohmann::json j = {
+        {"time_ms", std::chrono::duration_cast<std::chrono::milliseconds>(when.time_since_epoch()).count()},
+        {"node", node}, {"rank", rank}, {"local_rank", local_rank}, {"exit_code", exit_code},
+        {"signal", signal}, {"restart_count", restart_count}, {"error_file", error_file},
+        {"exec_error", exec_error}};
+    if (error) j["error"] = {{"message", error->message}, {"traceback", error->traceback.substr(0, 4096)}};
+    return j;
+  }
+  static std::optional<Failure> from_json(const std::string& text) {
+    auto j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!j.is_object()) return std::nullopt;
+    Failure f;
+    f.when = std::chrono::system_clock::time_point(std::chrono::milliseconds(j.value("time_ms", std::int64_t{0})));
+    f.node = j.value("node", std::string());
+    f.rank = j.value("rank", 0);
+    f.local_rank = j.value("local_rank", 0);
+    f.exit_code = j.value("exit_code", 0);
+    f.signal = j.value("signal", 0);
+    f.restart_count = j.value("restart_count", 0);
+    f.error_file = j.value("error_file", std::string());
+    f.exec_error = j.value("exec_error", std::string());
+    if (j.contains("error") && j["error"].is_object())
+      f.error = ErrorFileInfo{j["error"].value("message", std::string()), j["error"].value("traceback", std::string()), {}};
+    return f;
+  }
   std::string one_line() const {
     std::string line = fmt::format("rank {} (local rank {}, node {}) {}", rank, local_rank, node, how());
     if (!exec_error.empty()) line += ": " + exec_error;
@@ -155,7 +208,15 @@ class Agent {
   void bootstrap();
   std::vector<WorkerSpec> worker_specs(const RoundResult& round);
   void record(const WorkerExit& e);
-  void print_summary() const;
+  void print_summary();
+  std::vector<Failure> job_failures();
+  std::optional<State> checkpoint_stop(std::optional<WorkerGroup>& group, int& rc);
+  bool stop_requested_elsewhere();
+  bool request_requeue(FailureClass cls, const std::vector<std::string>& exclude);
+  void write_control(elastrun::control::Request request);
+  void requeue_failed_job();
+  bool killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits);
+  void requeue_after_node_loss();
   int closed_exit(const std::string& what);
   void linger_for_peers();
   void state(State s, const std::string& what) {
@@ -177,6 +238,15 @@ class Agent {
   std::int64_t restart_count_ = 0;
   std::vector<Failure> failures_;
   std::vector<WorkerSpec> current_specs_;
+  bool summary_printed_ = false;
+  // checkpoint-and-stop (state CHECKPOINT_STOP)
+  std::string control_path_;      // this attempt's control file (ELASTRUN_CONTROL_FILE)
+  std::uint64_t control_sequence_ = 0;
+  FailureClass stop_class_ = FailureClass::TimeLimit;
+  int stop_signal_ = 0;           // the signal that asked for it, 0 if a worker or a peer did
+  std::string stop_reason_;
+  std::vector<WorkerExit> attempt_exits_;  // this attempt's exits seen in MONITOR
+  Clock::time_point next_stop_poll_{};
 };
 
 void Agent::bootstrap() {
@@ -265,7 +335,8 @@ std::vector<WorkerSpec> Agent::worker_specs(const RoundResult& r) {
       "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
       "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-      "TORCHELASTIC_USE_AGENT_STORE", "ELASTRUN_GENERATION", "ELASTRUN_NODE", "NODE_RANK"};
+      "TORCHELASTIC_USE_AGENT_STORE", "ELASTRUN_GENERATION", "ELASTRUN_NODE", "NODE_RANK",
+      "ELASTRUN_CONTROL_FILE", "ELASTRUN_CHECKPOINT_DIR", "ELASTRUN_CHECKPOINTED_EXIT_CODE"};
   std::vector<std::string> base;
   bool omp_set = false;
   for (char** e = environ; e && *e; ++e) {
@@ -276,6 +347,13 @@ std::vector<WorkerSpec> Agent::worker_specs(const RoundResult& r) {
   }
   const int k = o_.nproc_per_node;
   const fs::path attempt_dir = attempt_base_ / fmt::format("attempt_{}", attempt_);
+  // a fresh control channel per attempt: a new attempt never sees an old request
+  fs::create_directories(attempt_dir);
+  control_path_ = (attempt_dir / "control").string();
+  control_sequence_ = 0;
+  std::error_code ec;
+  fs::remove(control_path_ + elastrun::control::kSeenSuffix, ec);
+  write_control(elastrun::control::Request::None);
   std::vector<WorkerSpec> specs;
   for (int local = 0; local < k; ++local) {
     WorkerSpec s;
@@ -286,7 +364,6 @@ std::vector<WorkerSpec> Agent::worker_specs(const RoundResult& r) {
     const fs::path dir = attempt_dir / std::to_string(local);
     fs::create_directories(dir);
     const std::string error_file = (dir / "error.json").string();
-    std::error_code ec;
     fs::remove(error_file, ec);
     s.env = base;
     auto set = [&](std::string_view key, const auto& value) { s.env.push_back(fmt::format("{}={}", key, value)); };
@@ -308,6 +385,9 @@ std::vector<WorkerSpec> Agent::worker_specs(const RoundResult& r) {
     set("TORCHELASTIC_USE_AGENT_STORE", "False");
     set("ELASTRUN_GENERATION", r.generation);
     set("ELASTRUN_NODE", plan_.me.node_name);
+    set("ELASTRUN_CONTROL_FILE", control_path_);
+    set("ELASTRUN_CHECKPOINTED_EXIT_CODE", elastrun::control::kCheckpointedExitCode);
+    if (!o_.checkpoint_dir.empty()) set("ELASTRUN_CHECKPOINT_DIR", o_.checkpoint_dir);
     if (!omp_set && k > 1) set("OMP_NUM_THREADS", 1);
 
     const bool shown = !o_.local_ranks_filter || o_.local_ranks_filter->contains(local);
@@ -338,12 +418,38 @@ void Agent::record(const WorkerExit& e) {
         if (kv.starts_with("TORCHELASTIC_ERROR_FILE=")) f.error_file = kv.substr(24);
   if (!f.error_file.empty()) f.error = read_error_file(f.error_file);
   spdlog::warn("worker {} (pid {}) failed: {}", f.rank, e.pid, f.one_line());
+  // for the job-wide summary on group rank 0; best effort (the store may be gone)
+  try {
+    rdzv_->publish(fmt::format("failures/{}.{}/{:06}", plan_.me.node_name, plan_.me.pid, failures_.size()),
+                   f.to_json().dump());
+  } catch (const std::exception& ex) {
+    spdlog::warn("warning: publishing the failure for the job-wide summary: {}", ex.what());
+  }
   failures_.push_back(std::move(f));
 }
 
-void Agent::print_summary() const {
-  if (failures_.empty()) return;
-  auto root = std::min_element(failures_.begin(), failures_.end(),
+// Every agent's published failures (ours included); ours alone if the store cannot be read.
+std::vector<Failure> Agent::job_failures() {
+  std::vector<Failure> all;
+  try {
+    for (const auto& [key, value] : rdzv_->read_prefix("failures/"))
+      if (auto f = Failure::from_json(value)) all.push_back(std::move(*f));
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: reading the other agents' failures: {}; summary of this node only", e.what());
+    return failures_;
+  }
+  if (all.size() < failures_.size()) return failures_;  // e.g. after a failover to a standby store
+  return all;
+}
+
+// Group rank 0 reports every agent's failures (published to the store), the others their own.
+void Agent::print_summary() {
+  if (summary_printed_) return;
+  const bool job_wide = rdzv_ && rdzv_->current().group_world_size > 0 && rdzv_->current().group_rank == 0;
+  const std::vector<Failure> failures = job_wide ? job_failures() : failures_;
+  if (failures.empty()) return;
+  summary_printed_ = true;
+  auto root = std::min_element(failures.begin(), failures.end(),
                                [](const Failure& a, const Failure& b) { return a.when < b.when; });
   std::string out = fmt::format(
       "================ elastrun: job failed (run '{}') ================\n"
@@ -369,10 +475,13 @@ void Agent::print_summary() const {
   } else if (!root->error_file.empty()) {
     out += fmt::format("  error file : {} (not written; decorate main with torch.distributed.elastic.multiprocessing.errors.record)\n", root->error_file);
   }
-  if (failures_.size() > 1) {
-    out += "other failures on this node:\n";
-    for (const auto& f : failures_)
-      if (&f != &*root) out += fmt::format("  {} {}\n", iso_time(f.when), f.one_line());
+  if (failures.size() > 1) {
+    out += job_wide ? "other failures (all nodes, by time):\n" : "other failures on this node:\n";
+    std::vector<const Failure*> others;
+    for (const auto& f : failures)
+      if (&f != &*root) others.push_back(&f);
+    std::sort(others.begin(), others.end(), [](const Failure* a, const Failure* b) { return a->when < b->when; });
+    for (const auto* f : others) out += fmt::format("  {} {}\n", iso_time(f->when), f->one_line());
   }
   out += "=================================================================";
   std::string_view rest = out;
@@ -385,8 +494,242 @@ void Agent::print_summary() const {
 
 int Agent::closed_exit(const std::string& what) {
   const bool ok = what.ends_with(": succeeded");
-  spdlog::info("{}; exiting {}", what, ok ? 0 : 1);
-  return ok ? 0 : 1;
+  const int rc = ok ? 0 : what.find(": checkpointed") != std::string::npos ? elastrun::control::kCheckpointedExitCode : 1;
+  spdlog::info("{}; exiting {}", what, rc);
+  return rc;
+}
+
+void Agent::write_control(elastrun::control::Request request) {
+  const elastrun::control::Status status{request, request == elastrun::control::Request::None ? 0 : ++control_sequence_};
+  if (!elastrun::control::write_file(control_path_, status))
+    throw std::system_error(errno, std::generic_category(), "writing the control file " + control_path_);
+}
+
+// Another agent's checkpoint-and-stop request (published in the store), looked for once per
+// kStopRequestPoll: a node whose agent got no signal (or whose worker asked) stops with the rest.
+bool Agent::stop_requested_elsewhere() {
+  if (rdzv_->current().group_world_size <= 1) return false;
+  const auto now = Clock::now();
+  if (now < next_stop_poll_) return false;
+  next_stop_poll_ = now + kStopRequestPoll;
+  std::optional<std::string> request;
+  try {
+    request = rdzv_->read("stop-request");
+  } catch (const std::exception&) {
+    return false;  // the store is changing hands; the membership change will tell
+  }
+  if (!request) return false;
+  auto j = nlohmann::json::parse(*request, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return false;
+  const auto cls = j.value("class", std::string());
+  stop_class_ = cls == "preempt" ? FailureClass::Preempt : FailureClass::TimeLimit;
+  stop_signal_ = j.value("signal", 0);
+  stop_reason_ = fmt::format("requested by node {} ({})", j.value("node", std::string("?")), j.value("reason", std::string("?")));
+  return true;
+}
+
+// Brings the job back through Slurm (group rank 0 only). False when it will not come back.
+bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& exclude) {
+  if (!env_.slurm) {
+    spdlog::info("requeue ({}): not running under Slurm, so the job cannot be requeued; the exit code tells the caller",
+                 to_string(cls));
+    return false;
+  }
+  const auto& job_id = env_.slurm->job_id;
+  if (stop_signal_ == SIGTERM) {
+    // SIGTERM also comes from scancel and from reaching the time limit: ask slurmctld which
+    auto job = load_slurm_job(job_id);
+    if (!job) {
+      spdlog::warn("warning: cannot ask slurmctld about job {}; treating SIGTERM as preemption", job_id);
+    } else if (job->cancelled) {
+      spdlog::info("job {} was cancelled (scancel): not requeueing", job_id);
+      return false;
+    } else if (job->timed_out) {
+      cls = FailureClass::TimeLimit;
+    } else if (!job->preempted) {
+      spdlog::info("SIGTERM, but job {} is neither preempted nor out of time (kill? scancel --signal?): not requeueing",
+                   job_id);
+      return false;
+    }
+  }
+  RequeueLedger ledger(o_.checkpoint_dir, job_id, env_.slurm->restart_count);
+  const auto budget = o_.requeue_budget[static_cast<std::size_t>(cls)];
+  const auto used = ledger.used(cls);
+  const auto budget_text = budget == kUnlimited ? std::string("inf") : std::to_string(budget);
+  if (budget != kUnlimited && used >= budget) {
+    spdlog::info("requeue budget for class {} used up ({} of {}{}): job {} is not requeued", to_string(cls), used,
+                 budget_text, ledger.path().empty() ? ", counted by SLURM_RESTART_COUNT" : "", job_id);
+    return false;
+  }
+  if (auto err = ledger.charge(cls); !err.empty()) spdlog::warn("warning: requeue ledger: {}", err);
+  if (auto err = requeue_slurm_job(job_id); !err.empty()) {
+    spdlog::error("error: slurm_requeue({}): {} (submit with sbatch --requeue; needs a batch job)", job_id, err);
+    return false;
+  }
+  spdlog::info("requeued job {} (class {}, requeue {} of {})", job_id, to_string(cls), used + 1, budget_text);
+  if (!exclude.empty()) {
+    std::string list;
+    for (const auto& n : exclude) list += (list.empty() ? "" : ",") + n;
+    // Slurm's SIGTERM/SIGKILL for the requeue may end us before the outcome is logged
+    spdlog::info("excluding node(s) {} from requeued job {} (best effort)", list, job_id);
+    spdlog::default_logger()->flush();
+    if (auto err = exclude_nodes_from_job(job_id, exclude); !err.empty())
+      spdlog::warn("warning: could not exclude node(s) {} from requeued job {}: {}", list, job_id, err);
+    else
+      spdlog::info("requeued job {} excludes node(s) {}", job_id, list);
+  }
+  return true;
+}
+
+// True if every exit in `exits` is a death by SIGUSR1/SIGUSR2/SIGTERM and the agent itself
+// receives such a signal within kFailureSettle (then the stop is Slurm's, not a failure). Sets
+// the stop's class and reason.
+bool Agent::killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits) {
+  for (const auto& e : exits)
+    if (!is_checkpoint_signal(e.signal)) return false;
+  const auto deadline = Clock::now() + kFailureSettle;
+  int sig = 0;
+  while ((sig = g_checkpoint_signal.load()) == 0 && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (sig == 0) return false;
+  stop_signal_ = sig;
+  stop_class_ = sig == SIGTERM ? FailureClass::Preempt : FailureClass::TimeLimit;
+  stop_reason_ = fmt::format("{} ({}; it also killed {} worker(s) without a handler)", signal_name(sig),
+                             sig == SIGTERM ? "preemption or cancellation" : "time limit warning", exits.size());
+  return true;
+}
+
+// Group rank 0, after the job failed for good: requeue when the agent that gave up asked for it
+// (class app: --max-restarts used up) and the class budget allows.
+void Agent::requeue_failed_job() {
+  if (!env_.slurm || rdzv_->current().group_world_size == 0 || rdzv_->current().group_rank != 0) return;
+  std::optional<std::string> request;
+  try {
+    request = rdzv_->read("requeue-request");
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: reading the requeue request: {}", e.what());
+    return;
+  }
+  if (!request) return;
+  g_checkpoint_stopping = true;  // Slurm's SIGTERM after our requeue must not cut the exclusion short
+  request_requeue(FailureClass::App, {});
+}
+
+// The survivors of a node loss could not form a round of --nnodes MIN: one of them (the first
+// to claim it in the store) requeues the job, excluding the members Slurm reports down.
+void Agent::requeue_after_node_loss() {
+  if (!env_.slurm) return;
+  std::vector<std::string> lost;
+  for (const auto& m : rdzv_->current().members())
+    if (m.node_name != plan_.me.node_name && slurm_node_is_down(m.node_name).value_or(false)) lost.push_back(m.node_name);
+  bool mine = false;
+  try {
+    mine = rdzv_->publish("requeue-claim", plan_.me.node_name, /*only_if_absent=*/true);
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: claiming the requeue: {}", e.what());
+  }
+  if (!mine) {
+    spdlog::info("another survivor handles the requeue");
+    return;
+  }
+  g_checkpoint_stopping = true;
+  request_requeue(FailureClass::Node, lost);
+}
+
+// CHECKPOINT_STOP: ask the local workers to checkpoint and stop (control channel; the signal
+// too with --forward-signals), wait up to --checkpoint-timeout, meet the other agents, and on
+// group rank 0 requeue the job. Returns the next state, or nullopt when the agent is done (rc).
+std::optional<State> Agent::checkpoint_stop(std::optional<WorkerGroup>& group, int& rc) {
+  using elastrun::control::kCheckpointedExitCode;
+  g_checkpoint_stopping = true;
+  const bool channel_read = fs::exists(control_path_ + elastrun::control::kSeenSuffix);
+  state(State::CheckpointStop, fmt::format("class {}: {}", to_string(stop_class_), stop_reason_));
+  try {
+    nlohmann::json request = {{"class", std::string(to_string(stop_class_))}, {"node", plan_.me.node_name},
+                              {"reason", stop_reason_}, {"signal", stop_signal_}};
+    rdzv_->publish("stop-request", request.dump(), /*only_if_absent=*/true);
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: publishing the stop request to the other agents: {}", e.what());
+  }
+  bool written = true;
+  try {
+    write_control(elastrun::control::Request::CheckpointAndStop);
+  } catch (const std::exception& e) {
+    spdlog::error("error: {}; the workers cannot be asked to checkpoint", e.what());
+    written = false;
+  }
+  if (o_.forward_signals && stop_signal_) {
+    spdlog::info("forwarding {} to the workers (--forward-signals)", signal_name(stop_signal_));
+    group->signal_all(stop_signal_);
+  }
+  std::vector<WorkerExit> exits = std::move(attempt_exits_);
+  attempt_exits_.clear();
+  if (((!channel_read || !written) && !o_.forward_signals) && !group->all_exited()) {
+    spdlog::info("the workers never polled {} (elastrun/control.hpp, elastrun_control.py): stopping them without "
+                 "a checkpoint (grace {} ms)", control_path_, o_.stop_grace.count());
+  } else {
+    spdlog::info("wrote checkpoint-and-stop to {}; waiting up to {} s for the workers to exit {}", control_path_,
+                 o_.checkpoint_timeout.count() / 1000, kCheckpointedExitCode);
+    const auto deadline = Clock::now() + o_.checkpoint_timeout;
+    while (true) {
+      for (auto& e : group->poll_exits()) {
+        if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
+        else if (e.ok()) spdlog::info("worker {} exited 0", e.global_rank);
+        else record(e);
+        exits.push_back(std::move(e));
+      }
+      if (group->all_exited()) break;
+      if (int sig = g_signal.load()) {
+        spdlog::info("received {} while waiting for the checkpoint: stopping the workers now", signal_name(sig));
+        break;
+      }
+      if (Clock::now() >= deadline) {
+        spdlog::warn("warning: the workers did not all exit within --checkpoint-timeout={} s: stopping them",
+                     o_.checkpoint_timeout.count() / 1000);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  int checkpointed = 0, succeeded = 0;
+  for (auto& e : group->stop(o_.stop_grace)) exits.push_back(std::move(e));
+  for (const auto& e : exits) {
+    if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) ++checkpointed;
+    else if (e.ok()) ++succeeded;
+  }
+  const int local = o_.nproc_per_node;
+  if (succeeded == local) {
+    spdlog::info("every local worker finished (exit 0) instead of checkpointing: the job succeeded");
+    g_checkpoint_stopping = false;
+    return State::Succeeded;
+  }
+  group.reset();
+  g_workers_active = false;
+  const bool local_ok = checkpointed > 0 && checkpointed + succeeded == local;
+  spdlog::info("{} of {} local worker(s) checkpointed (exit {}), {} finished (exit 0)", checkpointed, local,
+               kCheckpointedExitCode, succeeded);
+  // group rank 0 requeues only when every node is done: a requeue kills the job's steps
+  const auto& round = rdzv_->current();
+  if (round.group_world_size > 1) {
+    bool everyone = false;
+    try {
+      everyone = rdzv_->barrier("checkpoint-stop", o_.checkpoint_timeout + kCheckpointBarrierSlack);
+    } catch (const std::exception& e) {
+      spdlog::warn("warning: checkpoint barrier: {}", e.what());
+    }
+    if (!everyone) spdlog::warn("warning: not every node reported its checkpoint done in time");
+  }
+  rc = local_ok ? kCheckpointedExitCode : stop_signal_ ? 128 + stop_signal_ : 1;
+  if (round.group_rank == 0) {
+    request_requeue(stop_class_, {});
+    try {
+      rdzv_->close(fmt::format("checkpointed and stopped ({})", to_string(stop_class_)));
+    } catch (const std::exception& e) {
+      spdlog::warn("warning: closing the rendezvous: {}", e.what());
+    }
+  }
+  spdlog::info("{}; exiting {}", local_ok ? "checkpointed and stopped" : "stopped without a complete checkpoint", rc);
+  return std::nullopt;
 }
 
 // The store (or a standby we failed over to) lives in this process: keep it up until the
@@ -455,13 +798,26 @@ int Agent::run() {
                           r.world_size, r.master_addr, r.master_port));
             st = State::StartWorkers;
           } catch (const RendezvousClosed& e) {
+            if (rdzv_->current().group_world_size > 0 && !std::string_view(e.what()).ends_with(": succeeded")) {
+              print_summary();  // group rank 0 of the last round: the job-wide one
+              requeue_failed_job();
+            }
             rc = closed_exit(e.what());
+            done = true;
+          } catch (const RendezvousError& e) {
+            if (rdzv_->current().group_world_size == 0) throw;  // no round ever formed: as before
+            // fewer nodes than --nnodes MIN came back after a loss: class "node"
+            spdlog::error("error: {}", e.what());
+            print_summary();
+            requeue_after_node_loss();
+            rc = 1;
             done = true;
           }
           break;
         }
         case State::StartWorkers: {
           current_specs_ = worker_specs(rdzv_->current());
+          attempt_exits_.clear();
           g_workers_active = true;
           group.emplace(current_specs_);
           std::string pids;
@@ -474,9 +830,17 @@ int Agent::run() {
         }
         case State::Monitor: {
           state(st, "");
-          bool failed = false;
+          bool checkpointed = false;
           change = Change::None;
           while (true) {
+            if (int sig = g_checkpoint_signal.load(); sig && !g_signal.load()) {
+              stop_signal_ = sig;
+              stop_class_ = sig == SIGTERM ? FailureClass::Preempt : FailureClass::TimeLimit;
+              stop_reason_ = fmt::format("{} ({})", signal_name(sig),
+                                         sig == SIGTERM ? "preemption or cancellation" : "time limit warning");
+              st = State::CheckpointStop;
+              break;
+            }
             if (int sig = g_signal.load()) {
               spdlog::info("stopping workers on {} (grace {} ms)", signal_name(sig), o_.stop_grace.count());
               group->stop(o_.stop_grace);
@@ -486,20 +850,44 @@ int Agent::run() {
               done = true;
               break;
             }
+            std::vector<WorkerExit> failures;
             for (const auto& e : group->poll_exits()) {
+              attempt_exits_.push_back(e);
               if (e.ok()) {
                 spdlog::info("worker {} exited 0", e.global_rank);
+              } else if (e.signal == 0 && e.exit_code == elastrun::control::kCheckpointedExitCode) {
+                spdlog::info("worker {} exited {}: checkpointed, asks to be requeued", e.global_rank, e.exit_code);
+                checkpointed = true;
               } else {
-                record(e);
-                failed = true;
+                failures.push_back(e);
               }
             }
-            if (failed) {
+            if (!failures.empty() && killed_by_slurm_stop_signal(failures)) {
+              // Slurm signals every process of the step: a worker without a handler dies of the
+              // SIGUSR1/SIGTERM that is also on its way to us. Not an application failure.
+              spdlog::info("worker(s) killed by {}: waiting for the agent's own copy of the signal",
+                           signal_name(failures.front().signal));
+              st = State::CheckpointStop;
+              break;
+            }
+            for (const auto& e : failures) record(e);
+            if (!failures.empty()) {
               st = State::Failed;
+              break;
+            }
+            if (checkpointed) {
+              stop_signal_ = 0;
+              stop_class_ = FailureClass::TimeLimit;
+              stop_reason_ = fmt::format("a worker exited {} (checkpointed)", elastrun::control::kCheckpointedExitCode);
+              st = State::CheckpointStop;
               break;
             }
             if (group->all_exited()) {
               st = State::Succeeded;
+              break;
+            }
+            if (stop_requested_elsewhere()) {
+              st = State::CheckpointStop;
               break;
             }
             change = rdzv_->wait_for_change(o_.monitor_interval);
@@ -524,18 +912,30 @@ int Agent::run() {
                      change == Change::Reform) {
             spdlog::info("the failure coincides with a membership change ({}): not counted against --max-restarts",
                          to_string(change));
+          } else if (rdzv_->add_to_counter(fmt::format("restart-claim/{}", rdzv_->current().generation), 1) > 1) {
+            // Workers failed on several nodes in this round at once (one crash breaks the others'
+            // collectives): one restart per round, counted by the agent that claimed it first.
+            // Wait for its decision: a new round (Reform) or the budget used up (Closed).
+            spdlog::info("the failure coincides with a restart of this round counted by another agent: not counted again");
+            change = rdzv_->wait_for_change(Millis(10000));
           } else {
             const auto restarts = rdzv_->add_to_counter("restarts", 1);
             if (restarts > o_.max_restarts) {
               // tell the other agents first, then stop our workers
               const auto reason = fmt::format("failed: {} (--max-restarts={} used up)",
                                               failures_.front().one_line(), o_.max_restarts);
+              try {
+                rdzv_->publish("requeue-request", to_string(FailureClass::App));  // for group rank 0
+              } catch (const std::exception& e) {
+                spdlog::warn("warning: publishing the requeue request: {}", e.what());
+              }
               rdzv_->close(reason);
               spdlog::info("stopping local workers (grace {} ms)", o_.stop_grace.count());
               group->stop(o_.stop_grace);
               group.reset();
               g_workers_active = false;
               print_summary();
+              requeue_failed_job();
               spdlog::error("error: giving up after {} restart(s): {}", restarts - 1, failures_.back().one_line());
               rc = 1;
               done = true;
@@ -553,6 +953,7 @@ int Agent::run() {
               rdzv_->next_round();
             } catch (const RendezvousClosed& e) {
               print_summary();
+              requeue_failed_job();
               rc = closed_exit(e.what());
               done = true;
               break;
@@ -600,6 +1001,11 @@ int Agent::run() {
         case State::Restart:
           st = State::Rendezvous;
           break;
+        case State::CheckpointStop: {
+          if (auto next = checkpoint_stop(group, rc)) st = *next;
+          else done = true;
+          break;
+        }
       }
     }
   }

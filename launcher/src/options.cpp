@@ -121,6 +121,44 @@ void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
 
 }  // namespace
 
+std::string_view to_string(FailureClass c) {
+  switch (c) {
+    case FailureClass::App: return "app";
+    case FailureClass::Node: return "node";
+    case FailureClass::TimeLimit: return "timelimit";
+    case FailureClass::Preempt: return "preempt";
+  }
+  return "?";
+}
+
+std::array<std::int64_t, kFailureClasses> parse_requeue_budget(const std::string& text,
+                                                               std::array<std::int64_t, kFailureClasses> budget) {
+  const auto bad = [&](std::string_view why) {
+    return UsageError(fmt::format("--requeue-budget='{}': {} (e.g. app:0,node:3,timelimit:inf,preempt:inf)", text, why));
+  };
+  std::string_view rest = text;
+  while (!rest.empty()) {
+    auto comma = rest.find(',');
+    auto item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    auto colon = item.find(':');
+    if (colon == std::string_view::npos) throw bad(fmt::format("'{}' is not CLASS:COUNT", item));
+    auto name = item.substr(0, colon), value = item.substr(colon + 1);
+    int index = -1;
+    for (int c = 0; c < kFailureClasses; ++c)
+      if (name == to_string(static_cast<FailureClass>(c))) index = c;
+    if (index < 0) throw bad(fmt::format("unknown class '{}' (known: app, node, timelimit, preempt)", name));
+    if (value == "inf" || value == "unlimited") {
+      budget[static_cast<std::size_t>(index)] = kUnlimited;
+      continue;
+    }
+    auto n = to_long(value);
+    if (!n || *n < 0 || *n > 1'000'000) throw bad(fmt::format("'{}' is not a count (0 or more) or inf", value));
+    budget[static_cast<std::size_t>(index)] = *n;
+  }
+  return budget;
+}
+
 StreamSpec parse_stream_spec(const std::string& flag, const std::string& text) {
   const auto bad = [&] {
     return UsageError(fmt::format(
@@ -163,8 +201,11 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
       "PROGRAM: a *.py script or -m MODULE runs with $ELASTRUN_PYTHON (default python3) -u;\n"
       "any other executable runs as is. PET_<FLAG> environment variables give defaults.\n"
       "Exit codes: 0 success, 1 workers failed for good or rendezvous error, 2 bad command line,\n"
-      "128+N stopped by signal N. See docs/launcher.md.");
+      "85 workers checkpointed and stopped (requeue requested when allowed), 128+N stopped by\n"
+      "signal N. SIGUSR1/SIGUSR2/SIGTERM ask workers to checkpoint and stop through\n"
+      "$ELASTRUN_CONTROL_FILE. See docs/launcher.md.");
 
+  std::string requeue_budget, checkpoint_timeout = "300";
   std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300",
               redirects = "0", tee = "0", ranks_filter, node_rank, master_port;
   app.add_option("--nnodes", nnodes, "N or MIN:MAX nodes (default: the Slurm step's node count, else 1)");
@@ -201,6 +242,15 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   app.add_flag("--no-python,--no_python", o.no_python, "run PROGRAM as is, even a *.py file");
   app.add_flag("--run-path,--run_path", o.run_path, "accepted (torchrun runs the script with runpy); runs with python");
 
+  app.add_option("--checkpoint-dir,--checkpoint_dir", o.checkpoint_dir,
+                 "checkpoint directory: ELASTRUN_CHECKPOINT_DIR for workers, and the requeue ledger");
+  app.add_option("--checkpoint-timeout,--checkpoint_timeout", checkpoint_timeout,
+                 "seconds workers get to checkpoint after a stop signal before they are stopped (default 300)");
+  app.add_flag("--forward-signals,--forward_signals", o.forward_signals,
+               "also send SIGUSR1/SIGUSR2/SIGTERM to the workers (legacy scripts with own handlers)");
+  app.add_option("--requeue-budget,--requeue_budget", requeue_budget,
+                 "Slurm requeues allowed per class, CLASS:N|inf,... (default app:0,node:3,timelimit:inf,preempt:inf)");
+
   // PET_<FLAG> defaults go first on the line: explicit flags (later) win (TakeLast).
   std::vector<std::string> args;
   for (const auto& [key, value] : pet) {
@@ -234,6 +284,8 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   o.monitor_interval = std::max(Millis(10), seconds_option("--monitor-interval", monitor));
   o.stop_grace = seconds_option("--stop-grace", grace);
   o.exit_barrier_timeout = seconds_option("--exit-barrier-timeout", exit_barrier);
+  o.checkpoint_timeout = seconds_option("--checkpoint-timeout", checkpoint_timeout);
+  if (!requeue_budget.empty()) o.requeue_budget = parse_requeue_budget(requeue_budget, o.requeue_budget);
   o.redirects = parse_stream_spec("--redirects", redirects);
   o.tee = parse_stream_spec("--tee", tee);
   if (!ranks_filter.empty()) {

@@ -2,12 +2,15 @@
 // `--nproc_per_node` spellings), PET_* environment overrides as defaults, and the program to run.
 #pragma once
 
+#include <array>
 #include <chrono>
+#include <cstdint>
 #include <map>
 #include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace elastrun::launcher {
@@ -29,6 +32,12 @@ struct StreamSpec {
     return it == per_rank.end() ? all : it->second;
   }
 };
+
+// Why a job stops and may come back through a Slurm requeue; each class has its own budget.
+enum class FailureClass { App = 0, Node = 1, TimeLimit = 2, Preempt = 3 };
+inline constexpr int kFailureClasses = 4;
+std::string_view to_string(FailureClass c);  // "app", "node", "timelimit", "preempt"
+inline constexpr std::int64_t kUnlimited = -1;
 
 struct AgentOptions {
   // --nnodes (nullopt: the Slurm step's node count, or 1)
@@ -62,6 +71,12 @@ struct AgentOptions {
   bool run_path = false;
   std::string rdzv_auth = "auto";
   std::string python;  // ELASTRUN_PYTHON, default python3
+  // checkpoint-and-stop and requeue (docs/launcher.md, "Signals, checkpoint and requeue")
+  std::string checkpoint_dir;          // --checkpoint-dir: ELASTRUN_CHECKPOINT_DIR, requeue ledger
+  Millis checkpoint_timeout{300'000};  // --checkpoint-timeout: wait for workers to checkpoint
+  bool forward_signals = false;        // --forward-signals: also send SIGUSR1/2, SIGTERM to workers
+  // --requeue-budget: requeues allowed per FailureClass across the job's life (kUnlimited: no limit)
+  std::array<std::int64_t, kFailureClasses> requeue_budget{0, 3, kUnlimited, kUnlimited};
   // the program and its arguments, untouched
   std::string program;
   std::vector<std::string> program_args;
@@ -74,6 +89,10 @@ enum class ParseOutcome { Run, Exit0 };
 // the help and returns Exit0.
 ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::string, std::string>& pet,
                                  AgentOptions& out);
+
+// "app:0,node:3,timelimit:inf" -> budgets (classes not named keep `defaults`); throws UsageError.
+std::array<std::int64_t, kFailureClasses> parse_requeue_budget(const std::string& text,
+                                                               std::array<std::int64_t, kFailureClasses> defaults);
 
 // "3", "0:1,1:2" -> StreamSpec; throws UsageError naming `flag`.
 StreamSpec parse_stream_spec(const std::string& flag, const std::string& text);

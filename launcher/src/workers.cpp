@@ -357,6 +357,14 @@ std::vector<pid_t> WorkerGroup::pids() const {
   return out;
 }
 
+void WorkerGroup::signal_all(int sig) {
+  for (const auto& w : impl_->workers) {
+    if (w.pid <= 0 || w.exited) continue;
+    if (::kill(-w.pid, sig) != 0 && errno != ESRCH && errno != EPERM)
+      spdlog::error("error: kill(-{}, {}): {}", w.pid, signal_name(sig), std::strerror(errno));
+  }
+}
+
 std::vector<WorkerExit> WorkerGroup::stop(std::chrono::milliseconds grace) {
   impl_->stopped = true;
   std::vector<WorkerExit> exits = poll_exits();

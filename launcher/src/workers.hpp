@@ -50,6 +50,9 @@ class WorkerGroup {
   bool all_exited() const;
   std::vector<pid_t> pids() const;
 
+  // `sig` to each live worker's process group (--forward-signals).
+  void signal_all(int sig);
+
   // SIGTERM to each live worker's group, up to `grace`, then SIGKILL; every child reaped and the
   // output relay drained. Returns the exits observed while stopping.
   std::vector<WorkerExit> stop(std::chrono::milliseconds grace);

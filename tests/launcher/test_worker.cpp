@@ -8,6 +8,9 @@
 //   TEST_WORKER_SLEEP=SECONDS      sleeps before exiting (failing ranks fail after TEST_WORKER_FAIL_AFTER s, default 0)
 //   TEST_WORKER_SPAWN_ORPHAN=1     leaves a grandchild behind in a session of its own (setsid), sleeping
 //   TEST_WORKER_SLEEP_WORLD_SIZE=N ... only when WORLD_SIZE is N (e.g. only in the first, larger round)
+//   TEST_WORKER_POLL_CONTROL=1     sleeps polling the control channel (elastrun/control.hpp, with its
+//                                  signal handlers) every 20 ms; on checkpoint-and-stop writes
+//                                  DIR/checkpoint.rank<RANK>.json and exits 85 (checkpointed)
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -21,6 +24,8 @@
 #include <thread>
 
 #include <nlohmann/json.hpp>
+
+#include "elastrun/control.hpp"
 
 namespace {
 std::string env(const char* name, const std::string& fallback = "") {
@@ -38,7 +43,8 @@ int main(int argc, char** argv) {
        {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
         "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
         "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS",
-        "ELASTRUN_GENERATION", "ELASTRUN_NODE"})
+        "ELASTRUN_GENERATION", "ELASTRUN_NODE", "ELASTRUN_CONTROL_FILE", "ELASTRUN_CHECKPOINT_DIR",
+        "ELASTRUN_CHECKPOINTED_EXIT_CODE", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"})
     if (const char* v = std::getenv(key)) j[key] = v;
   j["pid"] = getpid();
   j["pgid"] = getpgrp();
@@ -96,6 +102,25 @@ int main(int argc, char** argv) {
       }
       return std::atoi(env("TEST_WORKER_EXIT_CODE", "3").c_str());
     }
+  }
+  if (env("TEST_WORKER_POLL_CONTROL") == "1") {
+    namespace control = elastrun::control;
+    control::install_signal_handlers();
+    const auto until = std::chrono::steady_clock::now() +
+                       std::chrono::milliseconds(static_cast<long>(std::atof(env("TEST_WORKER_SLEEP", "0").c_str()) * 1000));
+    while (std::chrono::steady_clock::now() < until) {
+      const auto status = control::poll();
+      if (status.stop()) {
+        nlohmann::json c = {{"rank", env("RANK")}, {"request", std::string(control::to_string(status.request))},
+                            {"sequence", status.sequence}, {"signal", control::signal_received()},
+                            {"checkpoint_dir", control::checkpoint_dir()}, {"restart_count", env("SLURM_RESTART_COUNT")}};
+        if (!out_dir.empty()) std::ofstream(out_dir + "/checkpoint.rank" + env("RANK") + ".json") << c.dump() << "\n";
+        std::cout << "checkpointed: " << c.dump() << std::endl;
+        return control::kCheckpointedExitCode;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return 0;
   }
   const std::string sleep_world = env("TEST_WORKER_SLEEP_WORLD_SIZE");
   if (sleep_world.empty() || sleep_world == env("WORLD_SIZE"))

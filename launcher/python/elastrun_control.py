@@ -1,0 +1,175 @@
+"""elastrun_control: the elastrun agent -> worker control channel, for Python training scripts.
+
+Same semantics as the C++ header <elastrun/control.hpp> (docs/launcher.md, "Control channel"):
+the agent writes one line "<sequence> <request>" to the file named by $ELASTRUN_CONTROL_FILE,
+atomically (temporary file + rename); request is "none", "checkpoint" or "checkpoint-and-stop".
+poll() costs one os.stat() while nothing changed, so it can run every step.
+
+    import elastrun_control as ec
+    ec.install_signal_handlers()   # SIGUSR1/SIGUSR2/SIGTERM -> stop request instead of death
+    for step in ...:
+        train_step()
+        if ec.poll_all().stop:      # all ranks agree (all-reduce) when torch.distributed is up
+            save_checkpoint(ec.checkpoint_dir())
+            sys.exit(ec.CHECKPOINTED_EXIT_CODE)   # 85: "checkpointed, please requeue"
+
+Standard library only (torch is used by poll_all() only if it is already initialised).
+"""
+
+import os
+import signal
+import sys
+
+__all__ = ["CHECKPOINTED_EXIT_CODE", "NONE", "CHECKPOINT", "CHECKPOINT_AND_STOP", "Status", "Channel",
+           "parse", "write_file", "poll", "poll_all", "install_signal_handlers", "signal_received",
+           "checkpoint_dir"]
+
+# 85: not 0-2, not sysexits.h (64-78), not 126/127 (shell), not 128+N (signals).
+CHECKPOINTED_EXIT_CODE = 85
+CONTROL_FILE_ENV = "ELASTRUN_CONTROL_FILE"
+CHECKPOINT_DIR_ENV = "ELASTRUN_CHECKPOINT_DIR"
+SEEN_SUFFIX = ".seen"
+
+NONE = "none"
+CHECKPOINT = "checkpoint"
+CHECKPOINT_AND_STOP = "checkpoint-and-stop"
+_LEVEL = {NONE: 0, CHECKPOINT: 1, CHECKPOINT_AND_STOP: 2}
+
+
+class Status:
+    """A request and its sequence number (grows with every request; 0: none yet)."""
+
+    __slots__ = ("request", "sequence")
+
+    def __init__(self, request=NONE, sequence=0):
+        self.request = request
+        self.sequence = sequence
+
+    @property
+    def checkpoint(self):
+        return self.request != NONE
+
+    @property
+    def stop(self):
+        return self.request == CHECKPOINT_AND_STOP
+
+    def __eq__(self, other):
+        return isinstance(other, Status) and (self.request, self.sequence) == (other.request, other.sequence)
+
+    def __repr__(self):
+        return f"Status({self.request!r}, {self.sequence})"
+
+
+def parse(text):
+    """'<sequence> <request>' -> Status, or None if malformed."""
+    parts = text.strip().split(" ")
+    if len(parts) != 2 or not parts[0].isdigit() or parts[1] not in _LEVEL:
+        return None
+    return Status(parts[1], int(parts[0]))
+
+
+def write_file(path, status):
+    """Replaces path atomically with status (the agent's side; used by tests)."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{status.sequence} {status.request}\n")
+    os.rename(tmp, path)
+
+
+class Channel:
+    """A reader of one control file (default: $ELASTRUN_CONTROL_FILE; disabled when unset)."""
+
+    def __init__(self, path=None):
+        self.path = path if path is not None else os.environ.get(CONTROL_FILE_ENV, "")
+        self._last = Status()
+        self._stat = None
+        self._announced = False
+
+    @property
+    def enabled(self):
+        return bool(self.path)
+
+    def poll(self):
+        if not self.path:
+            return self._last
+        if not self._announced:
+            # tells the agent this attempt's workers read the channel
+            self._announced = True
+            try:
+                os.close(os.open(self.path + SEEN_SUFFIX, os.O_WRONLY | os.O_CREAT, 0o644))
+            except OSError:
+                pass
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return self._last
+        key = (st.st_ino, st.st_dev, st.st_size, st.st_mtime_ns)
+        if key == self._stat:
+            return self._last
+        try:
+            with open(self.path) as f:
+                status = parse(f.read(128))
+        except OSError:
+            return self._last
+        if status is not None:
+            self._last, self._stat = status, key
+        return self._last
+
+
+_signal_received = 0
+_channel = None
+
+
+def _on_stop_signal(signum, _frame):
+    global _signal_received
+    _signal_received = signum
+
+
+def install_signal_handlers():
+    """SIGUSR1, SIGUSR2 and SIGTERM set a local checkpoint-and-stop request (seen by poll()).
+
+    Slurm delivers its --signal warning and preemption's SIGTERM to every process of the step,
+    workers included; with these handlers they survive to checkpoint. Main thread only.
+    """
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):
+        signal.signal(sig, _on_stop_signal)
+
+
+def signal_received():
+    """The signal caught by install_signal_handlers' handlers, 0 if none."""
+    return _signal_received
+
+
+def poll():
+    """The process-wide channel's status, merged with a caught stop signal."""
+    global _channel
+    if _channel is None:
+        _channel = Channel()
+    status = _channel.poll()
+    if _signal_received and not status.stop:
+        return Status(CHECKPOINT_AND_STOP, status.sequence)
+    return status
+
+
+def poll_all(group=None):
+    """poll(), agreed by all ranks: the strongest request of any rank (an all-reduce MAX).
+
+    Ranks poll at different moments; without agreement one rank may stop while another enters
+    the next collective and hangs. Needs torch.distributed initialised; otherwise == poll().
+    Costs one small all-reduce: call it every N steps if that matters.
+    """
+    status = poll()
+    dist = sys.modules.get("torch.distributed")  # never imports torch itself (seconds to load)
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return status
+    import torch
+    t = torch.tensor([_LEVEL[status.request], status.sequence], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    level, sequence = int(t[0]), int(t[1])
+    request = next(name for name, value in _LEVEL.items() if value == level)
+    return Status(request, sequence)
+
+
+def checkpoint_dir():
+    """$ELASTRUN_CHECKPOINT_DIR (elastrun --checkpoint-dir), '' if not given."""
+    return os.environ.get(CHECKPOINT_DIR_ENV, "")

@@ -1,0 +1,173 @@
+#!/usr/bin/env bash
+# Requeue through libslurm on a private testbed.
+# Usage: test_requeue_slurm.sh CASE path/to/launcher_test_worker
+# signal: checkpoint-and-stop and requeue on a 2-node testbed:
+#   sbatch --requeue --open-mode=append a job running
+#     srun --no-kill -N2 --ntasks-per-node=1 elastrun --nproc-per-node=2 --checkpoint-dir=DIR worker
+#   with workers polling the control channel (TEST_WORKER_POLL_CONTROL); once they run,
+#   `scancel --signal=USR1 JOB` (Slurm signals every process of the job's steps, agents included)
+#   -> both agents enter CHECKPOINT_STOP, the 4 workers write their checkpoint marker and exit 85,
+#   -> group rank 0 (n1) calls slurm_requeue; the job really comes back: its second run sees
+#      SLURM_RESTART_COUNT=1 (marker written by the batch script and by every worker), finishes
+#      (workers exit 0) and the job ends COMPLETED; the requeue ledger counts one timelimit requeue.
+# node: a 3-node testbed, sbatch -k --requeue -N2 with elastrun --nnodes=2 (MIN 2); kill-node of the
+#   second node -> the survivor cannot form a 2-node round within join_timeout (20 s) -> it
+#   requeues the job (class node) excluding the lost node; the second run runs on the two other
+#   nodes (SLURM_RESTART_COUNT=1) and finishes; the ledger counts one node requeue.
+# Environment: ELASTRUN_TESTBED, TESTBED_ID (this test uses <id>-requeue), ELASTRUN_BIN.
+set -euo pipefail
+case_name=$1
+worker=$2
+TB=$ELASTRUN_TESTBED
+export TESTBED_ID="${TESTBED_ID}-requeue"
+out=$(mktemp -d)
+mkdir -p "$out/tmp"
+chmod 755 "$out"
+job=
+
+cleanup() {
+  local rc=$?
+  if [[ -n $job ]]; then scancel "$job" 2>/dev/null || true; fi
+  if ((rc != 0)); then
+    for f in "$out"/job.out; do [[ -e $f ]] && { echo "--- $f" >&2; tail -80 "$f" >&2; }; done
+    scontrol show job "$job" 2>/dev/null | head -20 >&2 || true
+  fi
+  "$TB" down >/dev/null || rc=1
+  rm -rf "$out"
+  exit "$rc"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+job_state() { scontrol show job "$job" 2>/dev/null | grep -oP 'JobState=\K\S+' || echo GONE; }
+
+"$TB" down >/dev/null 2>&1 || true
+"$TB" up "$([[ $case_name == node ]] && echo 3 || echo 2)"
+eval "$("$TB" env)"
+
+if [[ $case_name == node ]]; then
+  cat >"$out/job.sh" <<EOF
+#!/bin/bash
+run=\${SLURM_RESTART_COUNT:-0}
+echo "batch run \$run job \$SLURM_JOB_ID on \$SLURM_JOB_NODELIST" > "$out/batch.run\$run"
+mkdir -p "$out/run\$run"
+sleep_s=300; [[ \$run -ge 1 ]] && sleep_s=2
+TMPDIR=$out/tmp TEST_WORKER_SLEEP=\$sleep_s TEST_WORKER_OUT_DIR=$out/run\$run \\
+  srun --no-kill -N2 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" --nnodes=2 --nproc-per-node=1 \\
+  --checkpoint-dir=$out/ckpt --rdzv-conf=join_timeout=20,heartbeat_timeout=2 "$worker"
+echo "srun exited \$? in run \$run"
+EOF
+  chmod +x "$out/job.sh"
+  mkdir -p "$out/ckpt"
+  # -k: the allocation survives a node failure (else slurmctld itself kills or requeues the job)
+  job=$(sbatch --parsable -N2 -k --requeue --open-mode=append -o "$out/job.out" "$out/job.sh")
+  echo "submitted job $job"
+  deadline=$((SECONDS + 120))
+  until [[ $(ls "$out"/run0/rank*.json 2>/dev/null | wc -l) -ge 2 ]]; do
+    ((SECONDS < deadline)) || fail "2 workers of the first run did not start (job state $(job_state))"
+    sleep 0.5
+  done
+  victim=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ELASTRUN_NODE"])' \
+    "$(ls "$out"/run0/rank1.gen*.json | head -1)")
+  "$TB" kill-node "$victim"
+  killed=$SECONDS
+  echo "killed $victim (group rank 1)"
+  deadline=$((SECONDS + 300))
+  until [[ -e $out/batch.run1 ]]; do
+    ((SECONDS < deadline)) || fail "the job did not come back after losing $victim (state $(job_state))"
+    sleep 1
+  done
+  echo "job $job requeued and restarted $((SECONDS - killed)) s after kill-node $victim"
+  deadline=$((SECONDS + 180))
+  until grep -q "srun exited .* in run 1" "$out/job.out" 2>/dev/null; do
+    ((SECONDS < deadline)) || fail "the second run did not finish (state $(job_state))"
+    sleep 1
+  done
+  for _ in $(seq 60); do [[ $(job_state) == COMPLETED ]] && break; sleep 1; done
+  [[ $(job_state) == COMPLETED ]] || fail "job state $(job_state), expected COMPLETED"
+  /usr/bin/python3 - "$out" "$victim" <<'PY'
+import glob, json, sys
+out, victim = sys.argv[1], sys.argv[2]
+second = [json.load(open(f)) for f in glob.glob(out + "/run1/rank*.json")]
+assert sorted(int(r["RANK"]) for r in second) == [0, 1], second
+assert all(r["SLURM_RESTART_COUNT"] == "1" for r in second), second
+assert victim not in {r["ELASTRUN_NODE"] for r in second}, second
+ledger = json.load(open(out + "/ckpt/elastrun-requeue.json"))
+assert ledger["node"] == 1 and ledger["timelimit"] == 0, ledger
+print("ok: second run on", sorted(r["ELASTRUN_NODE"] for r in second), "with SLURM_RESTART_COUNT=1; ledger", ledger)
+PY
+  log=$out/job.out
+  [[ $(grep -c "requeued job $job (class node, requeue 1 of 3)" "$log") -eq 1 ]] || fail "expected one node-class requeue"
+  grep -q "excluding node(s) $victim from requeued job $job" "$log" || fail "no line about excluding $victim"
+  # the agent may be killed by the requeue before it logs the outcome: ask slurmctld
+  scontrol show job "$job" | grep -q "ExcNodeList=$victim\b" || fail "job $job does not exclude $victim"
+  grep -E "\] (state |error|requeue|exiting)" "$log" | head -40
+  echo "ok: slurm.launcher_requeue_node"
+  exit 0
+fi
+
+cat >"$out/job.sh" <<EOF
+#!/bin/bash
+# first run: workers run long (until the USR1 below); second run (SLURM_RESTART_COUNT=1): 2 s
+run=\${SLURM_RESTART_COUNT:-0}
+echo "batch run \$run job \$SLURM_JOB_ID" > "$out/batch.run\$run"
+mkdir -p "$out/run\$run"
+sleep_s=300; [[ \$run -ge 1 ]] && sleep_s=2
+TMPDIR=$out/tmp TEST_WORKER_POLL_CONTROL=1 TEST_WORKER_SLEEP=\$sleep_s TEST_WORKER_OUT_DIR=$out/run\$run \\
+  srun --no-kill -N2 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" --nproc-per-node=2 \\
+  --checkpoint-dir=$out/ckpt --checkpoint-timeout=60 "$worker"
+echo "srun exited \$? in run \$run"
+EOF
+chmod +x "$out/job.sh"
+mkdir -p "$out/ckpt"
+job=$(sbatch --parsable -N2 --requeue --open-mode=append -o "$out/job.out" "$out/job.sh")
+echo "submitted job $job"
+
+deadline=$((SECONDS + 120))
+until [[ $(ls "$out"/run0/rank*.json 2>/dev/null | wc -l) -ge 4 ]]; do
+  ((SECONDS < deadline)) || fail "4 workers of the first run did not start (job state $(job_state))"
+  sleep 0.5
+done
+sleep 1  # the workers poll the channel right after they print their environment
+scancel --signal=USR1 "$job"
+signalled=$SECONDS
+echo "sent USR1 to job $job"
+
+deadline=$((SECONDS + 300))
+until [[ -e $out/batch.run1 ]]; do
+  ((SECONDS < deadline)) || fail "the job did not come back (state $(job_state))"
+  sleep 1
+done
+echo "job $job requeued and restarted $((SECONDS - signalled)) s after USR1"
+deadline=$((SECONDS + 180))
+until grep -q "srun exited .* in run 1" "$out/job.out" 2>/dev/null; do
+  ((SECONDS < deadline)) || fail "the second run did not finish (state $(job_state))"
+  sleep 1
+done
+for _ in $(seq 60); do [[ $(job_state) == COMPLETED ]] && break; sleep 1; done
+[[ $(job_state) == COMPLETED ]] || fail "job state $(job_state), expected COMPLETED"
+
+/usr/bin/python3 - "$out" <<'PY'
+import glob, json, sys
+out = sys.argv[1]
+ck = [json.load(open(f)) for f in glob.glob(out + "/run0/checkpoint.rank*.json")]
+assert sorted(int(c["rank"]) for c in ck) == [0, 1, 2, 3], ck
+assert all(c["request"] == "checkpoint-and-stop" for c in ck), ck
+first = [json.load(open(f)) for f in glob.glob(out + "/run0/rank*.json")]
+assert all("SLURM_RESTART_COUNT" not in r for r in first), first
+second = [json.load(open(f)) for f in glob.glob(out + "/run1/rank*.json")]
+assert sorted(int(r["RANK"]) for r in second) == [0, 1, 2, 3], second
+assert all(r["SLURM_RESTART_COUNT"] == "1" for r in second), second
+assert not glob.glob(out + "/run1/checkpoint.rank*.json"), "the second run was asked to checkpoint"
+ledger = json.load(open(out + "/ckpt/elastrun-requeue.json"))
+assert ledger["timelimit"] == 1 and ledger["app"] == 0, ledger
+print("ok: 4 workers checkpointed in run 0; run 1 saw SLURM_RESTART_COUNT=1 and finished; ledger", ledger)
+PY
+log=$out/job.out
+[[ $(grep -c "state CHECKPOINT_STOP class timelimit" "$log") -eq 2 ]] || fail "expected CHECKPOINT_STOP on both agents"
+[[ $(grep -c "2 of 2 local worker(s) checkpointed" "$log") -eq 2 ]] || fail "expected both agents' workers checkpointed"
+[[ $(grep -c "requeued job $job (class timelimit, requeue 1 of inf)" "$log") -eq 1 ]] ||
+  fail "expected exactly one requeue call (group rank 0)"
+grep -q "^\[elastrun node n1\] requeued job $job" "$log" || fail "the requeue did not come from n1 (group rank 0)"
+[[ $(grep -c "done; exiting 0" "$log") -eq 2 ]] || fail "the second run's agents did not both exit 0"
+grep -E "state CHECKPOINT_STOP|received|requeue|exiting" "$log" | head -20
+echo "ok: slurm.launcher_requeue_signal"

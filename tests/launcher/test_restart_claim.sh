@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One restart per round: two agents on one machine (shared --rdzv-endpoint), every worker of the
+# first attempt fails at once on both nodes (as when one crash breaks the peers' collectives).
+# Five times in a row: with --max-restarts=1 the job must restart exactly once (TORCHELASTIC_RESTART_COUNT=1 in the
+# second attempt) and succeed: the agents must not each count the same round's failure.
+# Usage: test_restart_claim.sh path/to/elastrun
+set -uo pipefail
+elastrun=$1
+for v in $(compgen -e | grep -E '^(SLURM_|PET_|RANK$|WORLD_SIZE$|MASTER_|TORCHELASTIC_)'); do unset "$v"; done
+work=$(mktemp -d)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do
+    if kill -0 "$p" 2>/dev/null; then kill -KILL "$p" 2>/dev/null || true; fi
+    wait "$p" 2>/dev/null || true
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+fail() {
+  echo "FAIL: $*" >&2
+  for f in "$work"/*.err; do echo "--- $f" >&2; cat "$f" >&2; done
+  exit 1
+}
+cat >"$work/worker.sh" <<EOF
+#!/bin/sh
+echo "\$RANK \$WORLD_SIZE \$TORCHELASTIC_RESTART_COUNT" > "$work/rank\$RANK.attempt\$TORCHELASTIC_RESTART_COUNT"
+[ "\$TORCHELASTIC_RESTART_COUNT" = 0 ] && exit 3
+exit 0
+EOF
+chmod 755 "$work/worker.sh"
+port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+for round in 1 2 3 4 5; do
+  rm -f "$work"/rank*
+  common=(--nnodes=2 --nproc-per-node=2 --rdzv-endpoint=127.0.0.1:$port --rdzv-id=claim$round
+          --rdzv-auth=none --max-restarts=1)
+  pids=()
+  "$elastrun" "${common[@]}" --rdzv-conf=is_host=1 --node-rank=0 "$work/worker.sh" >/dev/null 2>"$work/a.err" &
+  pids+=($!)
+  "$elastrun" "${common[@]}" --node-rank=1 "$work/worker.sh" >/dev/null 2>"$work/b.err" &
+  pids+=($!)
+  rc=()
+  for p in "${pids[@]}"; do
+    timeout 60 tail --pid="$p" -f /dev/null
+    wait "$p"
+    rc+=($?)
+  done
+  [[ ${rc[*]} == "0 0" ]] || fail "round $round: agents exited ${rc[*]} (the one failed round was counted twice?)"
+  for r in 0 1 2 3; do
+    [[ $(cat "$work/rank$r.attempt1" 2>/dev/null) == "$r 4 1" ]] || fail "round $round: rank $r did not run again with RESTART_COUNT=1"
+  done
+  [[ $(cat "$work/a.err" "$work/b.err" | grep -c "state RESTART restart 1 of 1") -eq 1 ]] ||
+    fail "round $round: expected exactly one counted restart"
+  echo "ok $round: one restart counted; the other agent: $(cat "$work/a.err" "$work/b.err" | grep -ohE "not counted (again|against --max-restarts)")"
+done
+echo "ok: both nodes failed at once five times; one restart counted each time"

@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# Scale-up on a private 5-node testbed, with a hot spare (docs/launcher.md, "Adding nodes"):
+#  1. salloc --no-kill -N5; step 0: srun --no-kill -N4 -w n[1-4] elastrun --nnodes=2:4
+#     --nproc-per-node=2 (zero rendezvous flags) -> 8 workers;
+#  2. kill-node n3 -> the survivors n1 n2 n4 re-form: WORLD_SIZE 6 (no restart counted);
+#     slurmctld removes n3 from the job: after revive-node n3, a step on n3 is refused;
+#  3. a late agent on the spare n5 (a second step, `srun -N1 -w n5 elastrun ... --rdzv-endpoint=
+#     <step 0's endpoint>`) waits in the wait list; the running agents re-form a 4-node round:
+#     WORLD_SIZE 8 on n1 n2 n4 n5, ranks in the job's node order, then everybody finishes (exit 0);
+#  4. spare from the start: srun --no-kill -N5 elastrun --nnodes=2:4 (zero flags): four agents run,
+#     the fifth waits; kill-node of a running node -> the spare takes its place (WORLD_SIZE 8 again).
+# Workers (launcher_test_worker) record their environment, then wait for a release file that
+# the test creates only once the final 8-worker round runs.
+# Usage: test_scaleup_slurm.sh path/to/launcher_test_worker
+# Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-scaleup),
+# ELASTRUN_BIN (build/bin).
+set -euo pipefail
+worker=$1
+
+if [[ ${2:-} == --in-allocation ]]; then
+  # ---- inside `salloc --no-kill -N5` (SLURM_JOB_NODELIST=n[1-5] for every step) ---------------
+  out=$3
+  fail() { echo "FAIL: $*" >&2; exit 1; }
+  wrapper=$out/worker.sh
+  # the recorded port of step 0 (zero flags): 24000 + (job id * 32 + step id 0) mod 8000
+  port=$((24000 + (SLURM_JOB_ID * 32) % 8000))
+  common=(--nnodes=2:4 --nproc-per-node=2 --rdzv-conf heartbeat_timeout=2)
+  srun --no-kill -N4 -w 'n[1-4]' --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" "${common[@]}" "$wrapper" \
+    >"$out/step0.log" 2>&1 &
+  step0=$!
+  late=
+  finish() {
+    local rc=$?
+    for p in $step0 $late; do
+      if kill -0 "$p" 2>/dev/null; then kill -KILL "$p" 2>/dev/null || true; fi
+      wait "$p" 2>/dev/null || true
+    done
+    exit "$rc"
+  }
+  trap finish EXIT
+  count() { ls "$out"/rank*."$1".json 2>/dev/null | wc -l; }  # workers that saw WORLD_SIZE $1
+  wait_for() {  # wait_for WHAT SECONDS COMMAND...
+    local what=$1 deadline=$((SECONDS + $2))
+    shift 2
+    until "$@"; do
+      ((SECONDS < deadline)) || fail "$what"
+      kill -0 "$step0" 2>/dev/null || fail "step 0 ended early ($what)"
+      sleep 0.3
+    done
+  }
+  ge() { (($(count "$1") >= $2)); }
+  wait_for "8 workers did not start" 120 ge w8 8
+  grep -q "hosting the rendezvous store on port $port" "$out/step0.log" ||
+    fail "step 0's store is not on the documented port $port: $(grep -m1 'hosting' "$out/step0.log")"
+  echo "8 workers on n1..n4; store on n1:$port"
+
+  "$ELASTRUN_TESTBED" kill-node n3
+  wait_for "the survivors did not re-form with WORLD_SIZE 6" 120 ge w6 6
+  echo "kill-node n3 -> 6 workers on n1 n2 n4"
+
+  # Once Slurm has marked n3 down it removes n3 from the job (--no-kill keeps the job); a revived
+  # n3 is then idle and outside the allocation: a step on it is refused.
+  "$ELASTRUN_TESTBED" wait-node n3 down 90
+  deadline=$((SECONDS + 60))
+  until [[ $(scontrol show job "$SLURM_JOB_ID" | grep -o ' NodeList=[^ ]*') == " NodeList=n[1-2,4-5]" ]]; do
+    ((SECONDS < deadline)) || fail "slurmctld did not drop n3 from the job: $(scontrol show job "$SLURM_JOB_ID" | grep ' NodeList=')"
+    sleep 0.5
+  done
+  "$ELASTRUN_TESTBED" revive-node n3
+  if timeout 20 srun --no-kill -N1 -w n3 true >"$out/n3.log" 2>&1; then
+    fail "a step on the revived n3 was accepted: the job should no longer own n3"
+  fi
+  echo "n3 revived; a step on it is refused: $(grep -m1 error "$out/n3.log" || head -1 "$out/n3.log")"
+
+  # The late agent on the spare n5: its own step (step id 1 or 2), so it names step 0's endpoint.
+  srun --no-kill -N1 -w n5 "$ELASTRUN_BIN/elastrun" "${common[@]}" --rdzv-endpoint="n1:$port" "$wrapper" \
+    >"$out/late.log" 2>&1 &
+  late=$!
+  have_n5() { ls "$out"/rank*.w8.json 2>/dev/null | xargs -r grep -l '"ELASTRUN_NODE":"n5"' | grep -q .; }
+  wait_for "the late agent on n5 was not admitted" 120 have_n5
+  # the final round: 8 workers of one generation, n5 among them
+  final_gen=$(grep -h -o '"ELASTRUN_GENERATION":"[0-9]*"' $(grep -l '"ELASTRUN_NODE":"n5"' "$out"/rank*.w8.json) | head -1 | tr -dc 0-9)
+  final8() (($(ls "$out"/rank*.gen"$final_gen".w8.json 2>/dev/null | wc -l) >= 8))
+  wait_for "the 4-node round did not start 8 workers" 60 final8
+  echo "late agent on n5 admitted: generation $final_gen has 8 workers"
+  touch "$out/release"
+
+  deadline=$((SECONDS + 120))
+  until (($(cat "$out/step0.log" "$out/late.log" | grep -c "done; exiting 0") >= 4)); do
+    ((SECONDS < deadline)) || fail "the 4 agents did not all finish"
+    sleep 0.3
+  done
+  wait "$late" || fail "the late step exited $?"
+  late=
+  wait "$step0" || true  # srun reports the lost n3's task as failed
+  step0=
+  exit 0
+fi
+
+# ---- outside: a private testbed with 5 nodes ------------------------------------------------
+TB=$ELASTRUN_TESTBED
+export TESTBED_ID="${TESTBED_ID}-scaleup"
+out=$(mktemp -d)
+mkdir -p "$out/tmp" && export TMPDIR="$out/tmp"  # the agents' per-run files
+chmod 755 "$out"
+salloc_pid=
+srun_pid=
+cleanup() {
+  local rc=$?
+  for p in $salloc_pid $srun_pid; do
+    if kill -0 "$p" 2>/dev/null; then kill -KILL "$p" 2>/dev/null || true; fi
+    wait "$p" 2>/dev/null || true
+  done
+  if ((rc != 0)); then
+    for f in "$out"/*.log "$out"/spare/*.log; do [[ -e $f ]] && { echo "--- $f" >&2; tail -60 "$f" >&2; }; done
+  fi
+  "$TB" down >/dev/null || rc=1
+  rm -rf "$out"
+  exit "$rc"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+"$TB" down >/dev/null 2>&1 || true
+"$TB" up 5
+eval "$("$TB" env)"
+export ELASTRUN_TESTBED=$TB
+
+# each worker records its environment (file name also tagged with its world size), then waits
+# for the release file; srun passes TEST_WORKER_OUT_DIR on
+cat >"$out/worker.sh" <<EOF
+#!/bin/sh
+d=\$TEST_WORKER_OUT_DIR
+"$worker" >/dev/null || exit 1
+cp "\$d/rank\$RANK.gen\$ELASTRUN_GENERATION.json" "\$d/rank\$RANK.gen\$ELASTRUN_GENERATION.w\$WORLD_SIZE.json"
+while [ ! -e "\$d/release" ]; do sleep 0.2; done
+EOF
+chmod 755 "$out/worker.sh"
+export TEST_WORKER_OUT_DIR=$out
+
+start=$SECONDS
+timeout 500 salloc --no-kill -N5 "$0" "$worker" --in-allocation "$out" >"$out/salloc.log" 2>&1 &
+salloc_pid=$!
+wait "$salloc_pid" || { cat "$out/salloc.log" >&2; fail "the allocation's driver failed"; }
+salloc_pid=
+cat "$out/salloc.log"
+echo "scale-up scenario: $((SECONDS - start)) s"
+
+/usr/bin/python3 - "$out" <<'PY'
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.w*.json")]
+by_gen = {}
+for r in runs:
+    by_gen.setdefault(int(r["ELASTRUN_GENERATION"]), []).append(r)
+gens = sorted(by_gen)
+def check(rs, size, order):
+    assert sorted(int(r["RANK"]) for r in rs) == list(range(size)), rs
+    for r in rs:
+        assert r["WORLD_SIZE"] == str(size) and r["ELASTRUN_NODE"] == order[int(r["RANK"]) // 2], r
+        assert r["TORCHELASTIC_RESTART_COUNT"] == "0", r  # membership changes cost no restart
+    assert len({(r["MASTER_ADDR"], r["MASTER_PORT"], r["TORCHELASTIC_RUN_ID"]) for r in rs}) == 1, rs
+first, last = by_gen[gens[0]], by_gen[gens[-1]]
+check(first, 8, ["n1", "n2", "n3", "n4"])
+six = [g for g in gens if all(r["WORLD_SIZE"] == "6" for r in by_gen[g]) and len(by_gen[g]) == 6]
+assert six, f"no complete 6-worker round: {gens}"
+check(by_gen[six[-1]], 6, ["n1", "n2", "n4"])
+check(last, 8, ["n1", "n2", "n4", "n5"])
+assert gens[0] < six[-1] < gens[-1], gens
+print(f"ok: generation {gens[0]}: 8 workers n1-n4; {six[-1]}: 6 workers n1 n2 n4; "
+      f"{gens[-1]}: 8 workers n1 n2 n4 n5 (late agent); one run id {last[0]['TORCHELASTIC_RUN_ID']}")
+PY
+grep -q "state MEMBERSHIP_CHANGED member lost" "$out/step0.log" || fail "no MEMBERSHIP_CHANGED (member lost)"
+grep -q "state MEMBERSHIP_CHANGED member waiting" "$out/step0.log" || fail "no MEMBERSHIP_CHANGED (member waiting)"
+grep -q "waiting for the next round" "$out/late.log" || fail "the late agent did not go through the wait list"
+[[ $(grep -c "done; exiting 0" "$out/step0.log") -eq 3 ]] || fail "not every survivor exited 0"
+grep -q "done; exiting 0" "$out/late.log" || fail "the late agent did not exit 0"
+grep -hE "state (MEMBERSHIP_CHANGED|RENDEZVOUS round)|waiting for the next round|done; exiting" \
+  "$out/step0.log" "$out/late.log" || true
+
+# ---- spare agent from the start: srun -N5 elastrun --nnodes=2:4 (zero flags) ----------------
+# Four agents form the round, the last to arrive waits; kill-node of a running node (not n1, the
+# store's host) -> the spare takes its place at once: 8 workers again.
+spare=$out/spare
+mkdir -p "$spare"
+export TEST_WORKER_OUT_DIR=$spare
+srun --no-kill -N5 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" --nnodes=2:4 --nproc-per-node=2 \
+  --rdzv-conf heartbeat_timeout=2 "$out/worker.sh" >"$spare/spare.log" 2>&1 &
+srun_pid=$!
+deadline=$((SECONDS + 120))
+until (($(ls "$spare"/rank*.w8.json 2>/dev/null | wc -l) >= 8)) && grep -q "waiting for the next round" "$spare/spare.log"; do
+  ((SECONDS < deadline)) || fail "5 agents: no 8-worker round with one agent waiting"
+  kill -0 "$srun_pid" 2>/dev/null || fail "srun -N5 ended early"
+  sleep 0.3
+done
+waiting=$(grep -m1 "waiting for the next round" "$spare/spare.log" | sed 's/^\[elastrun node \([^]]*\)\].*/\1/')
+victim=$(/usr/bin/python3 -c 'import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.w8.json")]
+print(max(runs, key=lambda r: int(r["RANK"]))["ELASTRUN_NODE"])' "$spare")
+echo "5 agents: 8 workers, $waiting waits; kill-node $victim"
+"$TB" kill-node "$victim"
+deadline=$((SECONDS + 120))
+until grep -ls "\"ELASTRUN_NODE\":\"$waiting\"" "$spare"/rank*.w8.json >/dev/null 2>&1 &&
+  (($(ls "$spare"/rank*.w8.json | wc -l) >= 16)); do
+  ((SECONDS < deadline)) || fail "the spare $waiting did not replace $victim"
+  sleep 0.3
+done
+touch "$spare/release"
+deadline=$((SECONDS + 120))
+until (($(grep -c "done; exiting 0" "$spare/spare.log") >= 4)); do
+  ((SECONDS < deadline)) || fail "the 4 agents (with the spare) did not finish"
+  sleep 0.3
+done
+wait "$srun_pid" || true  # the lost node's task counts as failed
+srun_pid=
+/usr/bin/python3 - "$spare" "$waiting" "$victim" <<'PY'
+import glob, json, sys
+d, waiting, victim = sys.argv[1:]
+runs = [json.load(open(f)) for f in glob.glob(d + "/rank*.w8.json")]
+gens = sorted({int(r["ELASTRUN_GENERATION"]) for r in runs})
+assert len(gens) == 2, gens
+first = [r for r in runs if int(r["ELASTRUN_GENERATION"]) == gens[0]]
+last = [r for r in runs if int(r["ELASTRUN_GENERATION"]) == gens[1]]
+nodes = sorted(f"n{i}" for i in range(1, 6))
+for rs, order in ((first, [n for n in nodes if n != waiting]), (last, [n for n in nodes if n != victim])):
+    assert sorted(int(r["RANK"]) for r in rs) == list(range(8)), rs
+    for r in rs:
+        assert r["ELASTRUN_NODE"] == order[int(r["RANK"]) // 2] and r["TORCHELASTIC_RESTART_COUNT"] == "0", r
+print(f"ok: spare {waiting} replaced {victim}: generation {gens[1]} has 8 workers on {' '.join(nodes[i] for i in range(5) if nodes[i] != victim)}")
+PY
+echo "ok: slurm.launcher_scaleup"
