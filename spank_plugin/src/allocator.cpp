@@ -1,6 +1,6 @@
 // sbatch/salloc (allocator context): only slurm_spank_init and init_post_opt run here, and the
 // option callbacks (plugin.cpp) have already validated the values: --elastic/--elastic-nproc
-// fail the submission here too.
+// are refused here (they belong to a step: the store lives in that step's srun).
 //
 // --torch-env needs no work: sbatch and salloc 22.05 themselves export an option given to them
 // into the job's environment as SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_torch_env (value

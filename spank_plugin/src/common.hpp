@@ -1,6 +1,6 @@
 // Shared state and helpers of the SPANK plugin's context files (plugin.cpp dispatches to
-// local.cpp = srun, allocator.cpp = sbatch/salloc, remote.cpp = slurmstepd). The plugin has no
-// slurmd callbacks, so Slurm does not load it into slurmd at all.
+// local.cpp = srun, allocator.cpp = sbatch/salloc, remote.cpp = slurmstepd, slurmd.cpp = the
+// job epilog run for slurmd).
 #pragma once
 
 extern "C" {
@@ -28,6 +28,10 @@ struct State {
   std::string master_node;
   std::string master_addr;
   std::string master_error;
+  // --elastic / --elastic-nproc (the latter implies the former)
+  bool elastic = false;
+  ElasticRange elastic_range;  // {0, 0}: the step's node count
+  int elastic_nproc = 0;       // 0: not given
 };
 State& state();
 
@@ -57,6 +61,7 @@ std::string spank_error_text(spank_err_t rc);
 namespace local {
 int init_post_opt(spank_t sp);
 int user_init(spank_t sp);
+int exit(spank_t sp);
 }  // namespace local
 namespace allocator {
 int init_post_opt(spank_t sp);
@@ -64,6 +69,19 @@ int init_post_opt(spank_t sp);
 namespace remote {
 int user_init(spank_t sp);
 int task_init(spank_t sp);
+int exit(spank_t sp);
 }  // namespace remote
+namespace slurmd {
+int job_epilog(spank_t sp, int argc, char** argv);
+}  // namespace slurmd
+
+// The elastrun binary --elastic runs: $ELASTRUN_SPANK_AGENT (`env_value`, from the caller's
+// environment), else the site argument agent=, else the configured install path.
+std::string agent_path(const char* env_value);
+
+// Removes `path` (a directory tree) with the rights of `uid`/`gid`: directly if this process
+// runs as that user, else in a child that drops to it first (never as root: the tree is
+// user-writable). Refuses anything that is not a directory owned by `uid` (lstat). Logs failures.
+void remove_user_tree(const std::string& path, uid_t uid, gid_t gid);
 
 }  // namespace elastrun::spank

@@ -65,7 +65,7 @@ SiteConfig parse_site_args(const std::vector<std::string>& args) {
     if (eq == std::string::npos || eq == 0)
       throw OptionError(fmt::format(
           "site argument '{}' in plugstack.conf is not key=value; known keys: torch_env, "
-          "master_addr, run_id (see docs/spank.md)",
+          "master_addr, run_id, agent, tmpdir (see docs/spank.md)",
           arg));
     const std::string_view key = std::string_view(arg).substr(0, eq);
     const std::string_view value = std::string_view(arg).substr(eq + 1);
@@ -91,10 +91,15 @@ SiteConfig parse_site_args(const std::vector<std::string>& args) {
       else
         throw OptionError(fmt::format(
             "site argument run_id='{}' in plugstack.conf must be step or job", value));
+    } else if (key == "agent" || key == "tmpdir") {
+      if (value.empty() || value.front() != '/')
+        throw OptionError(fmt::format(
+            "site argument {}='{}' in plugstack.conf must be an absolute path", key, value));
+      (key == "agent" ? config.agent : config.tmpdir) = std::string(value);
     } else {
       throw OptionError(fmt::format(
           "unknown site argument '{}' in plugstack.conf; known keys: torch_env, master_addr, "
-          "run_id (see docs/spank.md)",
+          "run_id, agent, tmpdir (see docs/spank.md)",
           key));
     }
   }
@@ -141,13 +146,6 @@ int parse_elastic_nproc(const char* optarg) {
         "--elastic-nproc='{}' is not a number of workers per node (1-{}); e.g. --elastic-nproc=4",
         text, kMaxNproc));
   return *n;
-}
-
-std::string elastic_unavailable_message(std::string_view option) {
-  return fmt::format(
-      "{} is not available in this build yet (it needs the elastrun agent, which is not built "
-      "yet); use --torch-env for a fixed-size step",
-      option);
 }
 
 std::string option_env_name(std::string_view plugin, std::string_view option) {

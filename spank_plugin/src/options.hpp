@@ -37,6 +37,8 @@ struct SiteConfig {
   bool torch_env = false;  // torch_env=yes: every step gets the torch environment by default
   MasterAddrMode master_addr = MasterAddrMode::Auto;
   RunIdMode run_id = RunIdMode::Step;
+  std::string agent;          // agent=/path: the elastrun binary for --elastic (empty: built-in default)
+  std::string tmpdir = "/tmp";  // tmpdir=/path: where --elastic keeps per-step state directories
 };
 
 // Parses the plugstack.conf arguments. Unknown keys, missing '=' and bad values throw
@@ -57,9 +59,6 @@ ElasticRange parse_elastic(const char* optarg);
 // --elastic-nproc=N: workers per node, 1..kMaxNproc.
 inline constexpr int kMaxNproc = 1024;
 int parse_elastic_nproc(const char* optarg);
-
-// The one-line error for an otherwise valid --elastic/--elastic-nproc until the agent exists.
-std::string elastic_unavailable_message(std::string_view option);
 
 // Name of the environment variable that sets a SPANK option, as srun/sbatch/salloc 22.05 read it
 // (verified on the testbed): SLURM_SPANK__SLURM_SPANK_OPTION_<plugin>_<option with - as _>.

@@ -1,7 +1,8 @@
 // Dispatch: the SPANK entry points Slurm calls, the option table, and the exception barrier.
 // Each slurm_spank_* function catches everything (no C++ exception crosses into Slurm) and hands
 // over to the file of its context: local.cpp (srun), allocator.cpp (sbatch/salloc), remote.cpp
-// (slurmstepd). Only slurm_spank_* and plugin_* symbols are exported (exports.map).
+// (slurmstepd), slurmd.cpp (job epilog). Only slurm_spank_* and plugin_* symbols are exported
+// (exports.map).
 #include <exception>
 #include <string>
 #include <vector>
@@ -27,6 +28,12 @@ namespace elastrun::spank {
 State& state() {
   static State s;
   return s;
+}
+
+std::string agent_path(const char* env_value) {
+  if (env_value && *env_value) return env_value;
+  if (!state().site.agent.empty()) return state().site.agent;
+  return ELASTRUN_SPANK_DEFAULT_AGENT;
 }
 
 std::string spank_error_text(spank_err_t rc) {
@@ -56,6 +63,14 @@ int guarded(const char* where, Fn&& fn) noexcept {
 // srun/sbatch/salloc fail before anything is submitted, whether the plugin is required or
 // optional; each failure is one line saying what to do.
 
+// sbatch/salloc: --elastic belongs to a step (the store lives in that step's srun).
+int refuse_in_allocator(const char* option) {
+  if (spank_context() != S_CTX_ALLOCATOR) return 0;
+  log_error("{} applies to a job step: use `srun {} ...` inside the job, not sbatch/salloc",
+            option, option);
+  return -1;
+}
+
 int on_torch_env(int, const char* optarg, int remote) noexcept {
   return guarded("--torch-env", [&] {
     try {
@@ -73,26 +88,28 @@ int on_torch_env(int, const char* optarg, int remote) noexcept {
 int on_elastic(int, const char* optarg, int) noexcept {
   return guarded("--elastic", [&] {
     try {
-      parse_elastic(optarg);
+      state().elastic_range = parse_elastic(optarg);
     } catch (const OptionError& e) {
       log_error("{}", e.what());
       return -1;
     }
-    log_error("{}", elastic_unavailable_message("--elastic"));
-    return -1;
+    if (refuse_in_allocator("--elastic") != 0) return -1;
+    state().elastic = true;
+    return 0;
   });
 }
 
 int on_elastic_nproc(int, const char* optarg, int) noexcept {
   return guarded("--elastic-nproc", [&] {
     try {
-      parse_elastic_nproc(optarg);
+      state().elastic_nproc = parse_elastic_nproc(optarg);
     } catch (const OptionError& e) {
       log_error("{}", e.what());
       return -1;
     }
-    log_error("{}", elastic_unavailable_message("--elastic-nproc"));
-    return -1;
+    if (refuse_in_allocator("--elastic-nproc") != 0) return -1;
+    state().elastic = true;  // --elastic-nproc=N alone means --elastic --elastic-nproc=N
+    return 0;
   });
 }
 
@@ -103,12 +120,13 @@ spank_option g_options[] = {
                        "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...); no launcher needed"),
      2, 0, on_torch_env},
     {const_cast<char*>("elastic"), const_cast<char*>("[MIN:MAX]"),
-     const_cast<char*>("[elastrun] run the tasks under the elastic agent with MIN..MAX nodes "
-                       "(not available in this build yet)"),
+     const_cast<char*>("[elastrun] run the step under the elastrun agent, one per node, with "
+                       "MIN..MAX nodes (default: the step's node count); needs "
+                       "--ntasks-per-node=1, use --no-kill to survive node failures"),
      2, 0, on_elastic},
     {const_cast<char*>("elastic-nproc"), const_cast<char*>("N"),
-     const_cast<char*>("[elastrun] workers per node under --elastic (not available in this "
-                       "build yet)"),
+     const_cast<char*>("[elastrun] workers per node under --elastic (default 1; implies "
+                       "--elastic)"),
      1, 0, on_elastic_nproc},
 };
 
@@ -173,6 +191,20 @@ ELASTRUN_SPANK_EXPORT int slurm_spank_user_init(spank_t sp, int, char**) {
 
 ELASTRUN_SPANK_EXPORT int slurm_spank_task_init(spank_t sp, int, char**) {
   return guarded("task_init", [&] { return remote::task_init(sp); });
+}
+
+ELASTRUN_SPANK_EXPORT int slurm_spank_exit(spank_t sp, int, char**) {
+  return guarded("exit", [&] {
+    switch (spank_context()) {
+      case S_CTX_LOCAL: return local::exit(sp);
+      case S_CTX_REMOTE: return remote::exit(sp);
+      default: return 0;
+    }
+  });
+}
+
+ELASTRUN_SPANK_EXPORT int slurm_spank_job_epilog(spank_t sp, int argc, char** argv) {
+  return guarded("job_epilog", [&] { return slurmd::job_epilog(sp, argc, argv); });
 }
 
 }  // extern "C"

@@ -1,6 +1,9 @@
 // Option values, their environment form and plugstack.conf site arguments.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
+#include "elastic.hpp"
 #include "options.hpp"
 
 using namespace elastrun::spank;
@@ -55,10 +58,36 @@ TEST(ElasticNprocOption, Values) {
   EXPECT_THROW(parse_elastic_nproc(nullptr), OptionError);
 }
 
-TEST(ElasticOption, UnavailableMessageIsOneLine) {
-  auto m = elastic_unavailable_message("--elastic");
-  EXPECT_NE(m.find("not available in this build yet"), std::string::npos);
-  EXPECT_EQ(m.find('\n'), std::string::npos);
+TEST(ElasticAgent, FlagsNameTheStoreAndTheStateDir) {
+  AgentPlan plan{.range = {2, 3}, .nproc = 4, .store_host = "10.0.0.5", .store_port = 41234,
+                 .run_id = "17.0.r0", .log_dir = "/tmp/elastrun-spank.17.0.n1"};
+  const std::vector<std::string> expected = {
+      "--nnodes=2:3", "--nproc-per-node=4", "--rdzv-backend=c10d",
+      "--rdzv-endpoint=10.0.0.5:41234", "--rdzv-id=17.0.r0", "--rdzv-conf=is_host=0",
+      "--rdzv-auth=token", "--log-dir=/tmp/elastrun-spank.17.0.n1"};
+  EXPECT_EQ(agent_flags(plan), expected);
+  plan.range = {3, 3};
+  plan.nproc = 0;
+  auto flags = agent_flags(plan);
+  EXPECT_EQ(flags.front(), "--nnodes=3");
+  EXPECT_EQ(std::count(flags.begin(), flags.end(), "--nproc-per-node=4"), 0);
+  plan.range = {};
+  EXPECT_EQ(agent_flags(plan).front(), "--rdzv-backend=c10d");  // the step's node count
+  EXPECT_EQ(join_lines({"a", "b", "c"}), "a\nb\nc");
+}
+
+TEST(ElasticAgent, Names) {
+  EXPECT_EQ(elastic_run_id(17, 2, ""), "17.2.r0");
+  EXPECT_EQ(elastic_run_id(17, 2, "3"), "17.2.r3");
+  EXPECT_EQ(step_dir_name(17, 0, "n1"), "elastrun-spank.17.0.n1");
+  EXPECT_TRUE(is_job_dir_name("elastrun-spank.17.0.n1", 17));
+  EXPECT_TRUE(is_job_dir_name("elastrun-spank.17.12.node-a.example", 17));
+  for (auto other : {"elastrun-spank.171.0.n1", "elastrun-spank.1.0.n1", "elastrun-spank.17.x.n1",
+                     "elastrun-spank.17.0.", "elastrun-spank.17..n1", "elastrun-XXXXXX"})
+    EXPECT_FALSE(is_job_dir_name(other, 17)) << other;
+  EXPECT_TRUE(safe_token("n1"));
+  EXPECT_TRUE(safe_token("node-01.cluster_a"));
+  for (auto bad : {"", ".", "..", "a/b", "a b", "n1\n"}) EXPECT_FALSE(safe_token(bad)) << bad;
 }
 
 TEST(OptionEnvName, AsSrunReadsIt) {
@@ -80,6 +109,13 @@ TEST(SiteArgs, DefaultsAndKeys) {
   EXPECT_EQ(s.run_id, RunIdMode::Job);
   EXPECT_EQ(parse_site_args({"master_addr=HostName"}).master_addr, MasterAddrMode::Hostname);
   EXPECT_FALSE(parse_site_args({"torch_env=yes", "torch_env=no"}).torch_env);  // last wins
+  EXPECT_TRUE(d.agent.empty());
+  EXPECT_EQ(d.tmpdir, "/tmp");
+  auto a = parse_site_args({"agent=/opt/elastrun/bin/elastrun", "tmpdir=/local/scratch"});
+  EXPECT_EQ(a.agent, "/opt/elastrun/bin/elastrun");
+  EXPECT_EQ(a.tmpdir, "/local/scratch");
+  EXPECT_THROW(parse_site_args({"agent=elastrun"}), OptionError);  // not absolute
+  EXPECT_THROW(parse_site_args({"tmpdir="}), OptionError);
 }
 
 TEST(SiteArgs, UnknownKeyIsNamed) {

@@ -11,17 +11,30 @@
 #   errors      --elastic=5:2 / x / 2:4, --elastic-nproc=0, --torch-env=maybe fail before launch
 #   site        plugstack.conf arguments: unknown key fails naming it; torch_env=yes default;
 #               master_addr=hostname; optional + missing file: plain srun still works
-# Every case ends by checking that no elastrun process, file or socket is left behind.
+#   elastic     (3 nodes) srun --elastic=2:3 -N3 --ntasks-per-node=1 [--elastic-nproc=2] worker:
+#               one agent per node, workers get RANK/WORLD_SIZE/MASTER_ADDR... from it; the
+#               environment form; more than one task per node and --elastic --torch-env refused
+#   elastic_kill2, elastic_kill1
+#               (3 nodes) srun --no-kill --elastic=2:3 --elastic-nproc=2 -N3 with sleeping
+#               workers; kill-node n2 (resp. n1, the step's first node): the two survivors
+#               re-form with WORLD_SIZE 4 and complete
+# Every case ends by checking that no elastrun process, file or socket is left behind (for the
+# elastic cases: no agent, worker or store process, no state directory, nothing in TMPDIR).
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (shared id; this test uses <id>-spank),
-# SPANK_PLUGIN (the built spank_elastrun.so), TESTS_DIR (this directory).
+# SPANK_PLUGIN (the built spank_elastrun.so), TESTS_DIR (this directory), ELASTRUN_AGENT (the
+# built elastrun), TEST_WORKER (the built launcher_test_worker).
 set -euo pipefail
 CASE=${1:?usage: test_spank.sh CASE}
 TB=$ELASTRUN_TESTBED
 export TESTBED_ID="${TESTBED_ID}-spank"
 PY=/usr/bin/python3
 out=$(mktemp -d /tmp/spank-test.XXXXXX)
+chmod 755 "$out"
 stamp=$out/stamp
 touch "$stamp"
+# --elastic state: the plugin's tmpdir (site argument) and the tasks' TMPDIR, both private here
+mkdir -p "$out/state" "$out/tmp"
+srun_pid=
 
 leftovers() { # what the plugin could leave behind: processes with it loaded, files, sockets
   # (other components' /tmp/elastrun-* files are not ours; the plugin itself creates none)
@@ -32,10 +45,29 @@ leftovers() { # what the plugin could leave behind: processes with it loaded, fi
   find /tmp /dev/shm /run -xdev -maxdepth 2 -newer "$stamp" \( -iname '*spank*' -o -iname '*torch-env*' \) \
     ! -path "$out" ! -path "$out/*" 2>/dev/null | sed 's/^/file /'
   ss -xap 2>/dev/null | grep -i spank | sed 's/^/socket /' || true
+  elastic_leftovers
+}
+
+elastic_leftovers() { # --elastic: agents, workers and store helpers are this build's binaries
+  local p
+  for p in /proc/[0-9]*; do
+    case $(readlink "$p/exe" 2>/dev/null) in
+    "${ELASTRUN_AGENT:-/nonexistent}" | "${TEST_WORKER:-/nonexistent}")
+      echo "process ${p#/proc/}: $(tr '\0' ' ' <"$p/cmdline" 2>/dev/null)" ;;
+    esac
+  done
+  find "$out/state" "$out/tmp" -mindepth 1 2>/dev/null | sed 's/^/file /'
 }
 
 cleanup() {
   local rc=$?
+  if [[ -n $srun_pid ]] && kill -0 "$srun_pid" 2>/dev/null; then
+    kill -KILL "$srun_pid" 2>/dev/null || true
+    wait "$srun_pid" 2>/dev/null || true
+  fi
+  if ((rc != 0)); then
+    for f in "$out"/*.log; do [[ -e $f ]] && { echo "--- $f" >&2; tail -80 "$f" >&2; }; done
+  fi
   "$TB" down >/dev/null 2>&1 || rc=1
   local left
   left=$(leftovers)
@@ -50,12 +82,22 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
+NODES=2
+[[ $CASE == elastic* ]] && NODES=3
 "$TB" down >/dev/null 2>&1 || true
-"$TB" up 2
+"$TB" up $NODES
 eval "$("$TB" env)"
 DIR=$("$TB" dir)
 use_plugin() { printf '%s\n' "$*" >"$DIR/plugstack.conf.d/elastrun.conf"; }
 use_plugin required "$SPANK_PLUGIN"
+ELASTIC_PLUGIN=(required "$SPANK_PLUGIN" "agent=$ELASTRUN_AGENT" "tmpdir=$out/state")
+if [[ $CASE == elastic* ]]; then
+  # slurmd reads plugstack.conf only when it starts: restart every slurmd so that the job
+  # epilog (slurm_spank_job_epilog) is active, not only srun's and slurmstepd's callbacks.
+  use_plugin "${ELASTIC_PLUGIN[@]}"
+  for ((i = 1; i <= NODES; i++)); do "$TB" kill-node "n$i" >/dev/null; "$TB" revive-node "n$i" >/dev/null; done
+fi
+export TMPDIR=$out/tmp
 
 # Runs a step of torch_env_task.py, checks it with check_torch_env.py.
 # check_step NTASKS NNODES MASTER_ADDR [checker flags] -- srun/salloc command...
@@ -83,6 +125,79 @@ expect_refused() {
 }
 
 TASK="$TESTS_DIR/torch_env_task.py"
+
+# Polls until "$@" succeeds, at most $1 seconds.
+wait_for() {
+  local limit=$1 deadline
+  shift
+  deadline=$((SECONDS + limit))
+  until "$@"; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.5
+  done
+}
+no_leftovers() { [[ -z $(elastic_leftovers) ]]; }
+
+# Checks the workers' JSON records of an --elastic run: check_elastic DIR WORLD NPROC NODES...
+# (the workers with WORLD_SIZE=WORLD: ranks 0..WORLD-1 in node order, one master and run id)
+check_elastic() {
+  /usr/bin/python3 - "$@" <<'PY'
+import glob, json, sys
+d, world, nproc, nodes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+runs = [json.load(open(f)) for f in glob.glob(d + "/rank*.json")]
+runs = [r for r in runs if r["WORLD_SIZE"] == str(world)]
+assert len(runs) == world, f"{len(runs)} workers with WORLD_SIZE {world}: {runs}"
+assert sorted(int(r["RANK"]) for r in runs) == list(range(world)), runs
+for r in runs:
+    rank = int(r["RANK"])
+    assert r["ELASTRUN_NODE"] == nodes[rank // nproc], (r, nodes)
+    assert int(r["LOCAL_RANK"]) == rank % nproc and r["LOCAL_WORLD_SIZE"] == str(nproc), r
+    assert int(r["GROUP_RANK"]) == rank // nproc and r["GROUP_WORLD_SIZE"] == str(len(nodes)), r
+    assert r["MASTER_ADDR"] and int(r["MASTER_PORT"]) > 0, r
+    assert r["TORCHELASTIC_ERROR_FILE"].startswith(sys.argv[1].rsplit("/", 1)[0] + "/state/elastrun-spank."), r
+keys = {(r["MASTER_ADDR"], r["MASTER_PORT"], r["TORCHELASTIC_RUN_ID"], r["ELASTRUN_GENERATION"]) for r in runs}
+assert len(keys) == 1, keys
+print(f"ok: {world} workers on {' '.join(nodes)}, ranks in node order, master {runs[0]['MASTER_ADDR']}:{runs[0]['MASTER_PORT']}, run {runs[0]['TORCHELASTIC_RUN_ID']}")
+PY
+}
+
+# The kill-node cases: 3 agents x 2 workers sleep in the 6-rank round; kill-node $1; the two
+# survivors ($2 $3) re-form with WORLD_SIZE 4 and finish; srun ends; nothing is left behind.
+elastic_kill() {
+  local victim=$1 survivors=("$2" "$3") killed
+  mkdir -p "$out/kill"
+  TEST_WORKER_OUT_DIR=$out/kill TEST_WORKER_SLEEP=300 TEST_WORKER_SLEEP_WORLD_SIZE=6 \
+    srun --no-kill -N3 --ntasks-per-node=1 --elastic=2:3 --elastic-nproc=2 "$TEST_WORKER" \
+    >"$out/kill.log" 2>&1 &
+  srun_pid=$!
+  six_started() { [[ $(ls "$out/kill"/rank*.json 2>/dev/null | wc -l) -ge 6 ]] || { kill -0 "$srun_pid" 2>/dev/null || fail "srun ended early"; false; }; }
+  wait_for 180 six_started || fail "6 workers did not start"
+  check_elastic "$out/kill" 6 2 n1 n2 n3
+  # the store is srun's child (`elastrun store-serve`), on no compute node
+  local p store=
+  for p in /proc/[0-9]*; do
+    [[ $(readlink "$p/exe" 2>/dev/null) == "$ELASTRUN_AGENT" ]] && tr '\0' ' ' <"$p/cmdline" | grep -q '^[^ ]* store-serve ' &&
+      store+="${p#/proc/}:$(awk '{print $4}' "$p/stat") "
+  done
+  [[ -n $store ]] || fail "no elastrun store-serve process while the step runs"
+  [[ " $store" == *":$srun_pid "* ]] || fail "the store helper ($store) is not srun's ($srun_pid) child"
+  echo "store helper (pid:parent pid) $store; srun pid $srun_pid"
+  "$TB" kill-node "$victim"
+  killed=$SECONDS
+  survivors_done() { [[ $(grep -c "done; exiting 0" "$out/kill.log") -ge 2 ]]; }
+  wait_for 240 survivors_done || fail "the two survivors did not finish after kill-node $victim"
+  echo "kill-node $victim -> survivors finished in $((SECONDS - killed)) s"
+  srun_ended() { ! kill -0 "$srun_pid" 2>/dev/null; }
+  wait_for 120 srun_ended || fail "srun did not end after the survivors finished"
+  wait "$srun_pid" || true # srun reports the lost node's task as failed
+  srun_pid=
+  check_elastic "$out/kill" 4 2 "${survivors[@]}"
+  grep -q "state MEMBERSHIP_CHANGED member lost" "$out/kill.log" || fail "no MEMBERSHIP_CHANGED (member lost)"
+  # the killed node's state directory goes with the job epilog of the survivors (shared tmpdir here)
+  wait_for 90 no_leftovers || fail "left behind after kill-node $victim: $(elastic_leftovers)"
+  echo "ok: kill-node $victim: a 2-node job completed; no process, state dir or temp file left"
+}
+
 case $CASE in
 help)
   srun --help >"$out/help" 2>&1 || true
@@ -145,10 +260,10 @@ concurrent)
 errors)
   expect_refused "MIN \(5\) is greater than MAX \(2\)" srun -N1 -n1 --elastic=5:2 echo LAUNCHED
   expect_refused "--elastic='x' is not MIN:MAX" srun -N1 -n1 --elastic=x echo LAUNCHED
-  expect_refused "not available in this build yet" srun -N1 -n1 --elastic=2:4 echo LAUNCHED
-  expect_refused "not available in this build yet" srun -N1 -n1 --elastic echo LAUNCHED
   expect_refused "--elastic-nproc='0'" srun -N1 -n1 --elastic-nproc=0 echo LAUNCHED
-  expect_refused "not available in this build yet" srun -N1 -n1 --elastic-nproc=2 echo LAUNCHED
+  expect_refused "--elastic and --torch-env exclude each other" srun -N1 -n1 --elastic --torch-env echo LAUNCHED
+  expect_refused "--elastic and --torch-env exclude each other" srun -N1 -n1 --torch-env --elastic-nproc=2 echo LAUNCHED
+  expect_refused "applies to a job step" sbatch --elastic=2:3 --wrap "echo LAUNCHED"
   expect_refused "--torch-env='maybe'" srun -N1 -n1 --torch-env=maybe echo LAUNCHED
   expect_refused "MIN \(3\) is greater" env SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_elastic=3:1 \
     srun -N1 -n1 echo LAUNCHED
@@ -190,5 +305,67 @@ site)
   [[ $(srun -N2 -n2 hostname | wc -l) == 2 ]] || fail "plain srun fails with a missing optional plugin"
   echo "ok: optional + missing plugin file: plain srun works"
   ;;
+elastic)
+  mkdir -p "$out/ok" "$out/ok2" "$out/env"
+  TEST_WORKER_OUT_DIR=$out/ok timeout 300 srun -N3 --ntasks-per-node=1 --elastic=2:3 \
+    "$TEST_WORKER" a1 --nnodes 7 >"$out/ok.log" 2>&1 || fail "srun --elastic=2:3 exited $?"
+  check_elastic "$out/ok" 3 1 n1 n2 n3
+  [[ $(grep -c "done; exiting 0" "$out/ok.log") -eq 3 ]] || fail "not 3 agents exited 0"
+  grep -q '"args":\["a1","--nnodes","7"\]' "$out/ok.log" || fail "the program's arguments did not reach the workers untouched"
+  grep -q "nodes 2:3, 1 worker(s) per node" "$out/ok.log" || fail "the agents did not get --nnodes=2:3"
+  grep -q "store 127.0.0.1:" "$out/ok.log" || fail "the agents do not use srun's store (SLURM_LAUNCH_NODE_IPADDR)"
+  grep -q "(hosted here)" "$out/ok.log" && fail "an agent hosts the store; srun's helper should"
+  wait_for 60 no_leftovers || fail "left behind after the --elastic step: $(elastic_leftovers)"
+  echo "ok: srun --elastic=2:3 -N3: one agent per node, 3 workers, arguments untouched, nothing left"
+  # --elastic-nproc=2 alone (implies --elastic with the step's node count), the environment form
+  TEST_WORKER_OUT_DIR=$out/ok2 SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_elastic_nproc=2 timeout 300 \
+    srun -N3 --ntasks-per-node=1 "$TEST_WORKER" >"$out/ok2.log" 2>&1 || fail "srun (elastic_nproc=2 by environment) exited $?"
+  check_elastic "$out/ok2" 6 2 n1 n2 n3
+  grep -q "nodes 3:3, 2 worker(s) per node" "$out/ok2.log" || fail "the agents did not default to the step's 3 nodes"
+  # --export=VAR (only VAR and SLURM_* pass, like --export=NONE): SLURM_ELASTRUN_* reach the tasks
+  mkdir -p "$out/none"
+  env TEST_WORKER_OUT_DIR=$out/none timeout 300 srun --export=TEST_WORKER_OUT_DIR -N2 --ntasks-per-node=1 \
+    --elastic "$TEST_WORKER" >"$out/none.log" 2>&1 || fail "srun --export=TEST_WORKER_OUT_DIR --elastic exited $?"
+  check_elastic "$out/none" 2 1 n1 n2
+  wait_for 60 no_leftovers || fail "left behind after the --elastic-nproc step: $(elastic_leftovers)"
+  echo "ok: --elastic-nproc=2 (environment form): 6 workers, nodes 3:3, nothing left"
+  # inside an `sbatch --torch-env` job (option inherited), --torch-env=no makes --elastic possible
+  SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_torch_env='(null)' timeout 300 \
+    srun -N1 --elastic --torch-env=no "$TEST_WORKER" >"$out/tn.log" 2>&1 || fail "srun --elastic --torch-env=no (inherited --torch-env) exited $?"
+  grep -q '"WORLD_SIZE":"1"' "$out/tn.log" || fail "--elastic --torch-env=no: no worker under the agent"
+  # an agent path from the environment that is not executable: the tasks do not start
+  ELASTRUN_SPANK_AGENT=$out/missing-elastrun srun -N1 --elastic true >"$out/na.out" 2>"$out/na.err" && fail "a missing agent was accepted"
+  grep -q "elastrun: .*missing-elastrun" "$out/na.err" || { cat "$out/na.err" >&2; fail "no error naming the missing agent"; }
+  echo "ok: missing agent -> $(grep -m1 'elastrun: ' "$out/na.err")"
+  # more than one task per node: refused before launch (srun) and, if that is ignored, by the task
+  expect_refused "one elastrun agent per node, but step .* has 4 tasks on 2 nodes" srun -N2 -n4 --elastic echo LAUNCHED
+  use_plugin optional "$SPANK_PLUGIN" "agent=$ELASTRUN_AGENT" "tmpdir=$out/state"
+  srun -N2 -n4 --elastic echo LAUNCHED >"$out/t.out" 2>"$out/t.err" || true
+  grep -q LAUNCHED "$out/t.out" && { cat "$out/t.err" >&2; fail "optional plugin: tasks ran with 2 tasks per node"; }
+  grep -q "elastrun: .*this node has 2 tasks of the step" "$out/t.err" || { cat "$out/t.err" >&2; fail "optional plugin: no error line for 2 tasks per node"; }
+  echo "ok: optional plugin, 2 tasks per node: tasks not run -> $(grep -m1 'elastrun: .*tasks of the step' "$out/t.err")"
+  use_plugin "${ELASTIC_PLUGIN[@]}"
+  wait_for 60 no_leftovers || fail "left behind: $(elastic_leftovers)"
+  # srun killed with SIGKILL (no exit callback): the store helper exits on its own (lifeline
+  # pipe); scancel then ends the agents, and the job epilog removes the state directories.
+  mkdir -p "$out/k9"
+  TEST_WORKER_OUT_DIR=$out/k9 TEST_WORKER_SLEEP=300 srun -N2 --ntasks-per-node=1 --elastic \
+    "$TEST_WORKER" >"$out/k9.log" 2>&1 &
+  srun_pid=$!
+  two_started() { [[ $(ls "$out/k9"/rank*.json 2>/dev/null | wc -l) -ge 2 ]]; }
+  wait_for 120 two_started || fail "2 workers did not start"
+  job=$(squeue -h -o %i | head -1)
+  store_gone() { ! pgrep -f "^$ELASTRUN_AGENT store-serve " >/dev/null; }
+  store_gone && fail "no store helper while the step runs"
+  kill -KILL "$srun_pid"
+  wait "$srun_pid" 2>/dev/null || true
+  srun_pid=
+  wait_for 15 store_gone || fail "the store helper outlived srun (kill -9)"
+  scancel "$job"
+  wait_for 90 no_leftovers || fail "left behind after kill -9 of srun + scancel: $(elastic_leftovers)"
+  echo "ok: srun killed with SIGKILL: the store helper exited by itself; after scancel nothing is left"
+  ;;
+elastic_kill2) elastic_kill n2 n1 n3 ;;
+elastic_kill1) elastic_kill n1 n2 n3 ;;
 *) fail "unknown case $CASE" ;;
 esac
