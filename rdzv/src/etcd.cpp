@@ -1,6 +1,9 @@
 #include "elastrun/rdzv/etcd.hpp"
 
 #include <curl/curl.h>
+#include <dlfcn.h>
+
+#include <type_traits>
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -55,16 +58,53 @@ KeyValue kv_of(const json& j) {
   return kv;
 }
 
-void curl_init_once() {
-  static std::once_flag once;
-  std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
+// libcurl is opened on first use, not linked: it pulls in ~30 libraries (TLS, Kerberos, LDAP,
+// ...) that would cost every agent ~4 MB of resident memory and start-up relocations, while
+// only agents using the etcd backend need it.
+struct CurlApi {
+  decltype(&::curl_global_init) global_init = nullptr;
+  decltype(&::curl_easy_init) easy_init = nullptr;
+  decltype(&::curl_easy_cleanup) easy_cleanup = nullptr;
+  decltype(&::curl_easy_reset) easy_reset = nullptr;
+  decltype(&::curl_easy_setopt) easy_setopt = nullptr;
+  decltype(&::curl_easy_perform) easy_perform = nullptr;
+  decltype(&::curl_easy_strerror) easy_strerror = nullptr;
+  decltype(&::curl_slist_append) slist_append = nullptr;
+  decltype(&::curl_slist_free_all) slist_free_all = nullptr;
+};
+
+const CurlApi& curl_api() {
+  static const CurlApi api = [] {
+    // Kept open for the life of the process: handles and the global state live in it.
+    void* lib = ::dlopen("libcurl.so.4", RTLD_NOW | RTLD_LOCAL);
+    if (!lib)
+      throw StoreError(Status::ConnectionLost,
+                       fmt::format("the etcd backend needs libcurl: {} (install libcurl4)", ::dlerror()));
+    CurlApi a;
+    auto load = [lib](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(lib, name));
+      if (!fn) throw StoreError(Status::ConnectionLost, fmt::format("libcurl.so.4 has no {}", name));
+    };
+    load(a.global_init, "curl_global_init");
+    load(a.easy_init, "curl_easy_init");
+    load(a.easy_cleanup, "curl_easy_cleanup");
+    load(a.easy_reset, "curl_easy_reset");
+    load(a.easy_setopt, "curl_easy_setopt");
+    load(a.easy_perform, "curl_easy_perform");
+    load(a.easy_strerror, "curl_easy_strerror");
+    load(a.slist_append, "curl_slist_append");
+    load(a.slist_free_all, "curl_slist_free_all");
+    a.global_init(CURL_GLOBAL_DEFAULT);
+    return a;
+  }();
+  return api;
 }
 
 struct CurlDeleter {
-  void operator()(CURL* c) const { curl_easy_cleanup(c); }
+  void operator()(CURL* c) const { curl_api().easy_cleanup(c); }
 };
 struct SlistDeleter {
-  void operator()(curl_slist* l) const { curl_slist_free_all(l); }
+  void operator()(curl_slist* l) const { curl_api().slist_free_all(l); }
 };
 
 }  // namespace
@@ -163,17 +203,17 @@ struct EtcdKv::Impl {
   }
 
   void prepare(const std::string& path, const std::string& body, Millis t) {
-    curl_easy_reset(curl.get());
+    curl_api().easy_reset(curl.get());
     auto url = base + path;
-    curl_easy_setopt(curl.get(), CURLOPT_URL, url.c_str());
-    curl_easy_setopt(curl.get(), CURLOPT_POST, 1L);
-    curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDS, body.c_str());
-    curl_easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
-    curl_easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers.get());
-    curl_easy_setopt(curl.get(), CURLOPT_TIMEOUT_MS, static_cast<long>(t.count()));
-    curl_easy_setopt(curl.get(), CURLOPT_CONNECTTIMEOUT_MS, 3000L);
-    curl_easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(curl.get(), CURLOPT_TCP_NODELAY, 1L);
+    curl_api().easy_setopt(curl.get(), CURLOPT_URL, url.c_str());
+    curl_api().easy_setopt(curl.get(), CURLOPT_POST, 1L);
+    curl_api().easy_setopt(curl.get(), CURLOPT_POSTFIELDS, body.c_str());
+    curl_api().easy_setopt(curl.get(), CURLOPT_POSTFIELDSIZE, static_cast<long>(body.size()));
+    curl_api().easy_setopt(curl.get(), CURLOPT_HTTPHEADER, headers.get());
+    curl_api().easy_setopt(curl.get(), CURLOPT_TIMEOUT_MS, static_cast<long>(t.count()));
+    curl_api().easy_setopt(curl.get(), CURLOPT_CONNECTTIMEOUT_MS, 3000L);
+    curl_api().easy_setopt(curl.get(), CURLOPT_NOSIGNAL, 1L);
+    curl_api().easy_setopt(curl.get(), CURLOPT_TCP_NODELAY, 1L);
   }
 
   [[noreturn]] void fail_from(const json& reply, const std::string& what) {
@@ -188,11 +228,11 @@ struct EtcdKv::Impl {
     auto body = request.dump();
     std::string reply;
     prepare(path, body, timeout);
-    curl_easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, &Impl::collect);
-    curl_easy_setopt(curl.get(), CURLOPT_WRITEDATA, &reply);
-    auto rc = curl_easy_perform(curl.get());
+    curl_api().easy_setopt(curl.get(), CURLOPT_WRITEFUNCTION, &Impl::collect);
+    curl_api().easy_setopt(curl.get(), CURLOPT_WRITEDATA, &reply);
+    auto rc = curl_api().easy_perform(curl.get());
     if (rc != CURLE_OK)
-      throw StoreError(Status::ConnectionLost, fmt::format("etcd {}{}: {}", endpoint, path, curl_easy_strerror(rc)));
+      throw StoreError(Status::ConnectionLost, fmt::format("etcd {}{}: {}", endpoint, path, curl_api().easy_strerror(rc)));
     auto j = json::parse(reply, nullptr, false);
     if (j.is_discarded()) throw StoreError(Status::BadRequest, fmt::format("etcd {}{}: not JSON: {}", endpoint, path, reply.substr(0, 200)));
     if (j.contains("error")) fail_from(j, path);
@@ -207,13 +247,12 @@ struct EtcdKv::Impl {
 };
 
 EtcdKv::EtcdKv(const std::string& endpoint, Millis request_timeout) : impl_(std::make_unique<Impl>()) {
-  curl_init_once();
   impl_->endpoint = endpoint;
   impl_->base = endpoint.starts_with("http") ? endpoint : "http://" + endpoint;
   impl_->timeout = request_timeout;
-  impl_->curl.reset(curl_easy_init());
+  impl_->curl.reset(curl_api().easy_init());
   if (!impl_->curl) throw StoreError(Status::ConnectionLost, "libcurl: cannot create a handle");
-  impl_->headers.reset(curl_slist_append(nullptr, "Content-Type: application/json"));
+  impl_->headers.reset(curl_api().slist_append(nullptr, "Content-Type: application/json"));
   // Fail early with a clear message if nothing answers there.
   impl_->post("/v3/kv/range", {{"key", base64_encode("elastrun/")}, {"limit", 1}});
 }
@@ -299,11 +338,11 @@ std::vector<WatchEvent> EtcdKv::watch(std::string_view prefix, std::uint64_t aft
   auto body = create.dump();
   Impl::Stream stream;
   impl_->prepare("/v3/watch", body, timeout);
-  curl_easy_setopt(impl_->curl.get(), CURLOPT_WRITEFUNCTION, &Impl::collect_stream);
-  curl_easy_setopt(impl_->curl.get(), CURLOPT_WRITEDATA, &stream);
-  auto rc = curl_easy_perform(impl_->curl.get());
+  curl_api().easy_setopt(impl_->curl.get(), CURLOPT_WRITEFUNCTION, &Impl::collect_stream);
+  curl_api().easy_setopt(impl_->curl.get(), CURLOPT_WRITEDATA, &stream);
+  auto rc = curl_api().easy_perform(impl_->curl.get());
   if (rc != CURLE_OK && !(rc == CURLE_WRITE_ERROR && stream.stop) && rc != CURLE_OPERATION_TIMEDOUT)
-    throw StoreError(Status::ConnectionLost, fmt::format("etcd {} watch: {}", impl_->endpoint, curl_easy_strerror(rc)));
+    throw StoreError(Status::ConnectionLost, fmt::format("etcd {} watch: {}", impl_->endpoint, curl_api().easy_strerror(rc)));
   std::vector<WatchEvent> events;
   std::uint64_t rev = after_revision;
   for (const auto& msg : stream.messages) {
