@@ -332,8 +332,10 @@ def main():
             if "c" in args.only:
                 res[w]["c"] = safe(b.node_loss, w, args.node_loss_bound)
         for w in both:
-            res[w]["d"] = b.rss[w] / 1024.0
-            res[w]["d_anon"] = b.anon[w] / 1024.0
+            # sampled while the other measures ran: nothing to report if none did
+            if b.rss[w]:
+                res[w]["d"] = b.rss[w] / 1024.0
+                res[w]["d_anon"] = b.anon[w] / 1024.0
     finally:
         if args.keep:
             print(f"# work directory kept: {b.tmp}")
@@ -366,6 +368,9 @@ def main():
             print(f"{'':<52}{'':>12}  torchrun: {tv}")
         if isinstance(ev, str):
             print(f"{'':<52}  elastrun: {ev}")
+    if "d" not in e:
+        print("(d) agent peak RSS: not sampled (measured while (a), (b) or (c) run; add one to --only)")
+        return
     d_e, d_t = e["d"], t.get("d")
     print(f"{'(d) agent peak RSS (VmHWM)':<52}{d_e:9.1f} MB{(f'{d_t:9.1f} MB' if d_t else ''):>12}   "
           f"{(f'{d_t / d_e:8.1f}x' if d_t and d_e else ''):>9}  goal elastrun <= 10 MB")
