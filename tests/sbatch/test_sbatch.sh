@@ -5,13 +5,17 @@
 #   het      sbatch/het.sbatch (1 node x 1 worker + 2 nodes x 2 workers) -> 5 global ranks,
 #            component 0 first
 #   usage    sbatch/elastic.sbatch without a program -> the job fails with a usage line
+#   requeue  sbatch/requeue.sbatch on 2 nodes running examples' `train` (libtorch); once it
+#            trains, `scancel --signal=USR1` (what --signal=USR1@T sends before the time limit)
+#            -> every worker checkpoints the same step and exits 85, the job is requeued
+#            (Restarts=1), the second run resumes from that step and the job ends COMPLETED
 #   node_loss  (private testbed) elastic.sbatch, then `kill-node n3` mid-run -> the job keeps
 #            its allocation (#SBATCH --no-kill), the survivors finish with WORLD_SIZE 6 and the
 #            job ends COMPLETED with exit code 0
-# Usage: test_sbatch.sh CASE path/to/launcher_test_worker
+# Usage: test_sbatch.sh CASE path/to/launcher_test_worker [path/to/train]
 # Environment: SLURM_CONF etc. of the shared testbed (ELASTRUN_TESTBED_ENV), ELASTRUN_BIN, SBATCH_DIR.
 set -euo pipefail
-case_=$1 worker=$2
+case_=$1 worker=$2 train=${3:-}
 out=$(mktemp -d)
 chmod 755 "$out"
 mkdir -p "$out/tmp"
@@ -80,6 +84,35 @@ usage)
   ((rc == 2)) || fail "elastic.sbatch without a program ended with $rc, expected 2"
   grep -q "usage: sbatch" "$out"/elastic-*.out || fail "no usage line in the job output"
   echo "ok: a missing program fails the job with a usage line"
+  ;;
+requeue)
+  [[ -x $train ]] || { echo "no libtorch example trainer: skipped"; exit 77; }
+  TMPDIR=$out/tmp CKPT=$out/ck NPROC=2 ELASTRUN=$ELASTRUN_BIN/elastrun \
+    sbatch --parsable --nodes=2 --chdir="$out" --output="$out/requeue.out" "$SBATCH_DIR/requeue.sbatch" \
+    "$train" --steps 400 --step-ms 50 --ckpt-every 0 >"$out/submit.txt"
+  job=$(cut -d';' -f1 "$out/submit.txt")
+  deadline=$((SECONDS + 180))
+  until grep -q "step 20/400" "$out/requeue.out" 2>/dev/null; do
+    ((SECONDS < deadline)) || fail "job $job did not start training"
+    sleep 0.5
+  done
+  scancel --signal=USR1 "$job"
+  deadline=$((SECONDS + 300))
+  until scontrol show job "$job" | grep -q "JobState=COMPLETED"; do
+    ((SECONDS < deadline)) || fail "job $job did not complete after the requeue: $(scontrol show job "$job" | grep -o 'JobState=[A-Z_]*')"
+    state=$(scontrol show job "$job" | grep -o 'JobState=[A-Z_]*')
+    [[ $state == JobState=FAILED || $state == JobState=CANCELLED ]] && fail "job $job: $state"
+    sleep 1
+  done
+  scontrol show job "$job" | grep -q "Restarts=1" || fail "job $job was not requeued exactly once"
+  job=
+  saved=$(grep -o "checkpoint-and-stop: saved step [0-9]*" "$out/requeue.out" | awk '{print $4}' | sort -u)
+  [[ $(wc -w <<<"$saved") -eq 1 ]] || fail "workers stopped at different steps or not at all: '$saved'"
+  [[ $(grep -c "checkpoint-and-stop: saved step" "$out/requeue.out") -eq 4 ]] || fail "not all 4 workers checkpointed"
+  grep -q "resumed from step $saved (saved by a world of 4, now 4)" "$out/requeue.out" ||
+    fail "the requeued run did not resume from step $saved"
+  grep -q "done: 400 steps" "$out/requeue.out" || fail "the requeued run did not finish"
+  echo "ok: USR1 -> checkpoint of step $saved, requeued once, resumed and completed"
   ;;
 node_loss)
   export TESTBED_ID="${TESTBED_ID}-sbatch"
