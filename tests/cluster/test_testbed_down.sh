@@ -63,6 +63,13 @@ cluster=$(awk -F= '$1 == "ClusterName" { print $2 }' "$CONF")
 SLURM_CONF=$CONF srun -N2 -n2 bash -c 'sleep 600 & sleep 600; wait' >/dev/null 2>&1 &
 BG+=($!)
 disown # no "Killed" job notices when down kills it
+# The 2-node step first: if the 1-node jobs were placed first they could both land on n1, fill
+# its 2 CPUs and leave the step pending for ever (seen on a loaded machine).
+deadline=$((SECONDS + 60))
+until SLURM_CONF=$CONF squeue -h -t R -o %D | grep -qx 2; do
+  ((SECONDS < deadline)) || fail "the 2-node srun step did not start within 60 s"
+  sleep 0.3
+done
 SLURM_CONF=$CONF salloc -N1 -n1 sleep 600 >/dev/null 2>&1 &
 BG+=($!)
 disown
