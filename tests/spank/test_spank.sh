@@ -4,7 +4,8 @@
 #   help        srun --help lists --torch-env, --elastic, --elastic-nproc
 #   ranks       srun -N2 -n4 --torch-env: consistent values; also --mpi=pmix, the SLURM_SPANK_*
 #               environment form, --export=NONE, and stale RANK/MASTER_* from the submit shell
-#   gloo        torch gloo all_reduce over env:// with 2 nodes x 2 tasks and only --torch-env
+#   gloo        torch gloo all_reduce over env:// with 2 nodes x 2 tasks and only --torch-env; the
+#               same for examples' libtorch `train` (when built: TRAIN)
 #   het         srun A : B and salloc A : B + srun --het-group=0,1: global ranks, one master
 #   batch       sbatch/salloc --torch-env: every srun of the job gets it, the batch script does not
 #   concurrent  two overlapping steps of one job get different MASTER_PORTs
@@ -222,6 +223,15 @@ ranks)
   ;;
 gloo)
   check_step 4 2 127.0.0.1 --allreduce -- srun -N2 -n4 --torch-env "$PY" "$TASK" --allreduce
+  # the libtorch example (c10d TCPStore + Gloo from the same variables), no launcher either
+  if [[ -x ${TRAIN:-} ]]; then
+    srun -N2 -n4 --torch-env "$TRAIN" --steps 20 --ckpt-dir "$out/ck" >"$out/train.log" 2>&1 ||
+      fail "srun --torch-env train exited $?: $(tail -5 "$out/train.log")"
+    grep -q "^\[rank 0\] done: 20 steps" "$out/train.log" || fail "train did not finish: $(tail -5 "$out/train.log")"
+    [[ $(grep -c "done: 20 steps" "$out/train.log") -eq 4 ]] || fail "not all 4 ranks of train finished"
+    [[ -d $out/ck/step-000000020 ]] || fail "train wrote no checkpoint of step 20"
+    echo "ok: examples' libtorch train (Gloo, 2 nodes x 2 tasks) with only --torch-env"
+  fi
   ;;
 het)
   check_step 3 2 127.0.0.1 -- srun --torch-env -N1 -n1 : -N1 -n2 "$PY" "$TASK"
