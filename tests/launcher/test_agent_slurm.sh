@@ -6,7 +6,12 @@
 #  2. rank 3 fails once -> every node restarts (TORCHELASTIC_RESTART_COUNT=1), exit 0;
 #  3. the same with workers sleeping in the 8-rank round; `kill-node n3` -> the survivors stop
 #     their workers at once, re-form with 3 nodes, restart with WORLD_SIZE 6 (no restart counted)
-#     and finish; every surviving agent exits 0.
+#     and finish; every surviving agent exits 0;
+#  4. rank 3 (n2) fails every time, --max-restarts=1 -> after one restart every agent gives up
+#     (exit 1) and group rank 0 (n1) prints the job-wide summary: root cause rank 3 on n2 with its
+#     @record message;
+#  5. kill -9 of the agent on n2 while its workers run -> none of n2's workers survives;
+#  6. a bad flag -> every agent exits 2 with one error line, no worker starts.
 # Usage: test_agent_slurm.sh path/to/launcher_test_worker
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-launcher),
 # ELASTRUN_BIN (build/bin).
@@ -122,4 +127,74 @@ print("ok: survivors n1 n2 n4 restarted with WORLD_SIZE 6 in generation", six[0]
 PY
 grep -q "state MEMBERSHIP_CHANGED member lost" "$out/kill.log" || fail "no MEMBERSHIP_CHANGED (member lost) log line"
 grep -E "state (MEMBERSHIP_CHANGED|RENDEZVOUS round)|done; exiting" "$out/kill.log" || true
+"$TB" revive-node n3
+"$TB" wait-node n3 idle 120
+
+# ---- 4. past --max-restarts: clean failure and the job-wide summary on group rank 0 --------
+mkdir -p "$out/budget"
+rc=0
+TEST_WORKER_OUT_DIR=$out/budget TEST_WORKER_FAIL_RANK=3 TEST_WORKER_ERROR_MESSAGE="boom on purpose" \
+  TEST_WORKER_SLEEP=1 timeout 180 srun --no-kill -N4 --ntasks-per-node=1 \
+  "$ELASTRUN_BIN/elastrun" --nnodes=4 --nproc-per-node=2 --max-restarts=1 "$worker" >"$out/budget.log" 2>&1 || rc=$?
+((rc != 0)) || fail "srun succeeded although rank 3 always fails"
+/usr/bin/python3 - "$out/budget.log" <<'PY'
+import re, sys
+log = open(sys.argv[1]).read()
+# group rank 0 (n1) prints the job-wide summary; its lines carry n1's prefix
+n1 = "\n".join(l[len("[elastrun node n1] "):] for l in log.splitlines() if l.startswith("[elastrun node n1] "))
+assert "elastrun: job failed" in n1, "no summary on n1"
+summary = n1[n1.index("elastrun: job failed"):]
+head = summary[:summary.index("other failures") if "other failures" in summary else len(summary)]
+assert re.search(r"node\s+: n2", head) and re.search(r"rank\s+: 3 ", head), head
+assert "boom on purpose" in head, head
+assert "restart    : 1 of 1" in summary or "restart    : 0 of 1" in summary, summary
+assert len(re.findall(r"task \d: Exited with exit code 1", log)) == 4, "not every agent exited 1"
+print("ok: rank 3 failing twice -> every agent exits 1; n1 reports rank 3 on n2 with its @record message")
+PY
+
+# ---- 5. kill -9 of one agent: none of its workers survives ----------------------------------
+mkdir -p "$out/kill9"
+TEST_WORKER_OUT_DIR=$out/kill9 TEST_WORKER_SLEEP=120 srun --no-kill -N4 --ntasks-per-node=1 \
+  "$ELASTRUN_BIN/elastrun" --nnodes=4 --nproc-per-node=2 "$worker" >"$out/kill9.log" 2>&1 &
+srun_pid=$!
+deadline=$((SECONDS + 120))
+until [[ $(ls "$out/kill9"/rank*.json 2>/dev/null | wc -l) -ge 8 ]]; do
+  ((SECONDS < deadline)) || fail "8 workers did not start"
+  sleep 0.5
+done
+agent=
+for p in /proc/[0-9]*; do
+  [[ $(readlink "$p/exe" 2>/dev/null) == "$ELASTRUN_BIN/elastrun" ]] || continue
+  grep -qzx "SLURMD_NODENAME=n2" "$p/environ" 2>/dev/null && grep -qzx "TEST_WORKER_OUT_DIR=$out/kill9" "$p/environ" 2>/dev/null &&
+    agent=${p#/proc/}
+done
+[[ -n $agent ]] || fail "no agent process found for n2"
+n2_workers=$(/usr/bin/python3 -c '
+import glob, json, sys
+for f in glob.glob(sys.argv[1] + "/rank*.json"):
+    r = json.load(open(f))
+    if r["ELASTRUN_NODE"] == "n2": print(r["pid"])' "$out/kill9")
+[[ $(wc -w <<<"$n2_workers") -eq 2 ]] || fail "expected 2 workers on n2, got '$n2_workers'"
+kill -KILL "$agent"
+deadline=$((SECONDS + 30))
+for w in $n2_workers; do
+  while kill -0 "$w" 2>/dev/null && [[ $(awk '{print $3}' "/proc/$w/stat" 2>/dev/null) != Z ]]; do
+    ((SECONDS < deadline)) || fail "worker $w of the SIGKILLed agent on n2 is still alive"
+    sleep 0.2
+  done
+done
+echo "ok: kill -9 of n2's agent: its workers $(echo $n2_workers) are gone"
+scancel "$(squeue -h -o %i | head -1)" 2>/dev/null || true
+kill -KILL "$srun_pid" 2>/dev/null || true
+wait "$srun_pid" 2>/dev/null || true
+srun_pid=
+
+# ---- 6. a bad flag: exit 2, one line, no worker ---------------------------------------------
+rc=0
+srun -N2 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" --nnodes=3:2 "$worker" >"$out/bad.log" 2>&1 || rc=$?
+((rc == 2)) || fail "srun elastrun --nnodes=3:2 exited $rc, expected 2"
+[[ $(grep -c "error:" "$out/bad.log") -ge 2 ]] || fail "no one-line error from each agent: $(cat "$out/bad.log")"
+grep -q '"RANK"' "$out/bad.log" && fail "a worker ran despite the bad flag"
+echo "ok: --nnodes=3:2 -> every agent exits 2: $(grep -m1 "error:" "$out/bad.log")"
+
 echo "ok: slurm.launcher_agent"
