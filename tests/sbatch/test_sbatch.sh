@@ -9,6 +9,9 @@
 #            trains, `scancel --signal=USR1` (what --signal=USR1@T sends before the time limit)
 #            -> every worker checkpoints the same step and exits 85, the job is requeued
 #            (Restarts=1), the second run resumes from that step and the job ends COMPLETED
+#   spares   (private testbed) spares.sbatch on 4 nodes with 1 spare (the first 3 agents to arrive
+#            train, the 4th waits); kill-node of a training node (not n1) -> the spare is admitted:
+#            WORLD_SIZE stays 6, ranks in node order, no restart counted; the job COMPLETES
 #   node_loss  (private testbed) elastic.sbatch, then `kill-node n3` mid-run -> the job keeps
 #            its allocation (#SBATCH --no-kill), the survivors finish with WORLD_SIZE 6 and the
 #            job ends COMPLETED with exit code 0
@@ -36,12 +39,13 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # Submits a script and waits for it; prints the job's exit code. TMPDIR goes with the job so
 # the agents' per-run files land in $out.
+sbatch_options=()  # extra sbatch options (before the script)
 submit() {
   local script=$1
   shift
   local rc=0
   TMPDIR=$out/tmp TEST_WORKER_OUT_DIR=$out ELASTRUN=$ELASTRUN_BIN/elastrun \
-    timeout 240 sbatch --wait --parsable --chdir="$out" --output="$out/%x-%j.out" "$SBATCH_DIR/$script" "$@" \
+    timeout 240 sbatch --wait --parsable --chdir="$out" --output="$out/%x-%j.out" "${sbatch_options[@]}" "$SBATCH_DIR/$script" "$@" \
     >"$out/submit.txt" 2>&1 || rc=$?
   job=
   echo "$rc"
@@ -113,6 +117,60 @@ requeue)
     fail "the requeued run did not resume from step $saved"
   grep -q "done: 400 steps" "$out/requeue.out" || fail "the requeued run did not finish"
   echo "ok: USR1 -> checkpoint of step $saved, requeued once, resumed and completed"
+  ;;
+spares)
+  export TESTBED_ID="${TESTBED_ID}-sbatch"
+  private=1
+  "$ELASTRUN_TESTBED" down >/dev/null 2>&1 || true
+  "$ELASTRUN_TESTBED" up 4
+  eval "$("$ELASTRUN_TESTBED" env)"
+  # workers record their environment, then run until the test releases them
+  printf '#!/bin/bash\n"%s" || exit\nuntil [[ -e %s/release ]]; do sleep 0.2; done\n' "$worker" "$out" >"$out/worker.sh"
+  chmod +x "$out/worker.sh"
+  (sbatch_options=(--nodes=4); submit spares.sbatch "$out/worker.sh" >"$out/rc.txt") &
+  waiter=$!
+  deadline=$((SECONDS + 120))
+  until [[ $(ls "$out"/rank*.json 2>/dev/null | wc -l) -ge 6 ]]; do
+    ((SECONDS < deadline)) || fail "6 workers did not start"
+    kill -0 "$waiter" 2>/dev/null || fail "the job ended early"
+    sleep 0.5
+  done
+  job=$(head -1 "$out/submit.txt" | cut -d';' -f1)
+  # the first three agents to arrive train; the fourth waits as the spare
+  read -r spare victim < <(/usr/bin/python3 - "$out" <<'PY'
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
+training = sorted({r["ELASTRUN_NODE"] for r in runs})
+assert len(training) == 3, training
+spare = ({"n1", "n2", "n3", "n4"} - set(training)).pop()
+print(spare, [n for n in training if n != "n1"][0])
+PY
+)
+  "$ELASTRUN_TESTBED" kill-node "$victim"
+  deadline=$((SECONDS + 120))
+  until ls "$out"/rank*.json | xargs grep -l "\"ELASTRUN_NODE\": *\"$spare\"" >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || fail "the spare $spare was not admitted after kill-node $victim"
+    sleep 0.5
+  done
+  touch "$out/release"
+  wait "$waiter"
+  waiter=
+  rc=$(cat "$out/rc.txt")
+  ((rc == 0)) || fail "the job ended with $rc"
+  state=$(scontrol show job "$job" | grep -o 'JobState=[A-Z]*')
+  [[ $state == JobState=COMPLETED ]] || fail "job $job: $state, expected COMPLETED"
+  job=
+  /usr/bin/python3 - "$out" "$victim" "$spare" <<'PY'
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
+last = max(int(r["ELASTRUN_GENERATION"]) for r in runs)
+final = sorted((r for r in runs if int(r["ELASTRUN_GENERATION"]) == last), key=lambda r: int(r["RANK"]))
+assert [r["WORLD_SIZE"] for r in final] == ["6"] * 6, final
+nodes = sorted({"n1", "n2", "n3", "n4"} - {sys.argv[2]})
+assert [r["ELASTRUN_NODE"] for r in final] == [n for n in nodes for _ in (0, 1)], final
+assert all(r["TORCHELASTIC_RESTART_COUNT"] == "0" for r in final), final
+print(f"ok: kill-node {sys.argv[2]} -> the spare {sys.argv[3]} took its place: WORLD_SIZE 6 on {' '.join(nodes)}, job COMPLETED")
+PY
   ;;
 node_loss)
   export TESTBED_ID="${TESTBED_ID}-sbatch"
