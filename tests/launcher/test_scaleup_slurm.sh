@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Scale-up on a private 5-node testbed, with a hot spare (docs/launcher.md, "Adding nodes"):
-#  1. salloc --no-kill -N5; step 0: srun --no-kill -N4 -w n[1-4] elastrun --nnodes=2:4
-#     --nproc-per-node=2 (zero rendezvous flags) -> 8 workers;
+# Scale-up on a private 5-node testbed (docs/launcher.md, "Adding nodes"):
+#  1. salloc --no-kill -N4; step 0: srun --no-kill -N4 elastrun --nnodes=2:4 --nproc-per-node=2
+#     (zero rendezvous flags) -> 8 workers;
 #  2. kill-node n3 -> the survivors n1 n2 n4 re-form: WORLD_SIZE 6 (no restart counted);
 #     slurmctld removes n3 from the job: after revive-node n3, a step on n3 is refused;
-#  3. a late agent on the spare n5 (a second step, `srun -N1 -w n5 elastrun ... --rdzv-endpoint=
-#     <step 0's endpoint>`) waits in the wait list; the running agents re-form a 4-node round:
-#     WORLD_SIZE 8 on n1 n2 n4 n5, ranks in the job's node order, then everybody finishes (exit 0);
+#  3. a late agent on the revived n3, started in an allocation of its own (a new job, `srun -N1
+#     -w n3 elastrun ... --rdzv-endpoint=<step 0's endpoint> --rdzv-id=<step 0's run id>
+#     --node-rank=4`), waits in the wait list; the running agents re-form a 4-node round:
+#     WORLD_SIZE 8 on n1 n2 n4 n3 (n3 last, by its --node-rank), then everybody finishes (exit 0);
 #  4. spare from the start: srun --no-kill -N5 elastrun --nnodes=2:4 (zero flags): four agents run,
 #     the fifth waits; kill-node of a running node -> the spare takes its place (WORLD_SIZE 8 again).
 # Workers (launcher_test_worker) record their environment, then wait for a release file that
@@ -18,14 +19,14 @@ set -euo pipefail
 worker=$1
 
 if [[ ${2:-} == --in-allocation ]]; then
-  # ---- inside `salloc --no-kill -N5` (SLURM_JOB_NODELIST=n[1-5] for every step) ---------------
+  # ---- inside `salloc --no-kill -N4` (SLURM_JOB_NODELIST=n[1-4] for every step) ---------------
   out=$3
   fail() { echo "FAIL: $*" >&2; exit 1; }
   wrapper=$out/worker.sh
   # the recorded port of step 0 (zero flags): 24000 + (job id * 32 + step id 0) mod 8000
   port=$((24000 + (SLURM_JOB_ID * 32) % 8000))
   common=(--nnodes=2:4 --nproc-per-node=2 --rdzv-conf heartbeat_timeout=2)
-  srun --no-kill -N4 -w 'n[1-4]' --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" "${common[@]}" "$wrapper" \
+  srun --no-kill -N4 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" "${common[@]}" "$wrapper" \
     >"$out/step0.log" 2>&1 &
   step0=$!
   late=
@@ -62,7 +63,7 @@ if [[ ${2:-} == --in-allocation ]]; then
   # n3 is then idle and outside the allocation: a step on it is refused.
   "$ELASTRUN_TESTBED" wait-node n3 down 90
   deadline=$((SECONDS + 60))
-  until [[ $(scontrol show job "$SLURM_JOB_ID" | grep -o ' NodeList=[^ ]*') == " NodeList=n[1-2,4-5]" ]]; do
+  until [[ $(scontrol show job "$SLURM_JOB_ID" | grep -o ' NodeList=[^ ]*') == " NodeList=n[1-2,4]" ]]; do
     ((SECONDS < deadline)) || fail "slurmctld did not drop n3 from the job: $(scontrol show job "$SLURM_JOB_ID" | grep ' NodeList=')"
     sleep 0.5
   done
@@ -72,17 +73,36 @@ if [[ ${2:-} == --in-allocation ]]; then
   fi
   echo "n3 revived; a step on it is refused: $(grep -m1 error "$out/n3.log" || head -1 "$out/n3.log")"
 
-  # The late agent on the spare n5: its own step (step id 1 or 2), so it names step 0's endpoint.
-  srun --no-kill -N1 -w n5 "$ELASTRUN_BIN/elastrun" "${common[@]}" --rdzv-endpoint="n1:$port" "$wrapper" \
-    >"$out/late.log" 2>&1 &
+  # The late agent on the revived n3, in a job of its own: no SLURM_* of this allocation may
+  # leak into that srun (it would make it a step of this job), except the testbed's SLURM_CONF.
+  # Its Slurm node index (0 in its own job) says nothing here: --node-rank=4 places it last.
+  run_id="$SLURM_JOB_ID.r${SLURM_RESTART_COUNT:-0}"
+  six_gen=$(ls "$out"/rank*.w6.json | sed 's/.*\.gen\([0-9]*\)\.w6\.json/\1/' | sort -n | tail -1)
+  (
+    for v in $(compgen -e | grep '^SLURM_' | grep -vx SLURM_CONF); do unset "$v"; done
+    exec srun --no-kill -N1 -w n3 -J late-agent "$ELASTRUN_BIN/elastrun" "${common[@]}" \
+      --rdzv-endpoint="n1:$port" --rdzv-id="$run_id" --node-rank=4 "$wrapper"
+  ) >"$out/late.log" 2>&1 &
   late=$!
-  have_n5() { ls "$out"/rank*.w8.json 2>/dev/null | xargs -r grep -l '"ELASTRUN_NODE":"n5"' | grep -q .; }
-  wait_for "the late agent on n5 was not admitted" 120 have_n5
-  # the final round: 8 workers of one generation, n5 among them
-  final_gen=$(grep -h -o '"ELASTRUN_GENERATION":"[0-9]*"' $(grep -l '"ELASTRUN_NODE":"n5"' "$out"/rank*.w8.json) | head -1 | tr -dc 0-9)
-  final8() (($(ls "$out"/rank*.gen"$final_gen".w8.json 2>/dev/null | wc -l) >= 8))
-  wait_for "the 4-node round did not start 8 workers" 60 final8
-  echo "late agent on n5 admitted: generation $final_gen has 8 workers"
+  # a complete 8-worker round after the 6-worker one, n3 in it
+  final_gen=
+  final8() {
+    local g
+    for f in "$out"/rank*.w8.json; do
+      [[ -e $f ]] || continue
+      g=${f##*.gen}; g=${g%%.*}
+      ((g > six_gen)) || continue
+      (($(ls "$out"/rank*.gen"$g".w8.json | wc -l) >= 8)) || continue
+      grep -l '"ELASTRUN_NODE":"n3"' "$out"/rank*.gen"$g".w8.json | grep -q . || continue
+      final_gen=$g
+      return 0
+    done
+    return 1
+  }
+  wait_for "the late agent on the revived n3 was not admitted into an 8-worker round" 120 final8
+  late_job=$(squeue -h -n late-agent -o %i | head -1)
+  [[ -n $late_job && $late_job != "$SLURM_JOB_ID" ]] || fail "the late agent is not in a job of its own ('$late_job')"
+  echo "late agent on the revived n3 (job $late_job) admitted: generation $final_gen has 8 workers"
   touch "$out/release"
 
   deadline=$((SECONDS + 120))
@@ -90,7 +110,7 @@ if [[ ${2:-} == --in-allocation ]]; then
     ((SECONDS < deadline)) || fail "the 4 agents did not all finish"
     sleep 0.3
   done
-  wait "$late" || fail "the late step exited $?"
+  wait "$late" || fail "the late agent's job exited $?"
   late=
   wait "$step0" || true  # srun reports the lost n3's task as failed
   step0=
@@ -139,7 +159,7 @@ chmod 755 "$out/worker.sh"
 export TEST_WORKER_OUT_DIR=$out
 
 start=$SECONDS
-timeout 500 salloc --no-kill -N5 "$0" "$worker" --in-allocation "$out" >"$out/salloc.log" 2>&1 &
+timeout 500 salloc --no-kill -N4 -w 'n[1-4]' "$0" "$worker" --in-allocation "$out" >"$out/salloc.log" 2>&1 &
 salloc_pid=$!
 wait "$salloc_pid" || { cat "$out/salloc.log" >&2; fail "the allocation's driver failed"; }
 salloc_pid=
@@ -164,10 +184,10 @@ check(first, 8, ["n1", "n2", "n3", "n4"])
 six = [g for g in gens if all(r["WORLD_SIZE"] == "6" for r in by_gen[g]) and len(by_gen[g]) == 6]
 assert six, f"no complete 6-worker round: {gens}"
 check(by_gen[six[-1]], 6, ["n1", "n2", "n4"])
-check(last, 8, ["n1", "n2", "n4", "n5"])
+check(last, 8, ["n1", "n2", "n4", "n3"])
 assert gens[0] < six[-1] < gens[-1], gens
 print(f"ok: generation {gens[0]}: 8 workers n1-n4; {six[-1]}: 6 workers n1 n2 n4; "
-      f"{gens[-1]}: 8 workers n1 n2 n4 n5 (late agent); one run id {last[0]['TORCHELASTIC_RUN_ID']}")
+      f"{gens[-1]}: 8 workers n1 n2 n4 n3 (late agent, own job); one run id {last[0]['TORCHELASTIC_RUN_ID']}")
 PY
 grep -q "state MEMBERSHIP_CHANGED member lost" "$out/step0.log" || fail "no MEMBERSHIP_CHANGED (member lost)"
 grep -q "state MEMBERSHIP_CHANGED member waiting" "$out/step0.log" || fail "no MEMBERSHIP_CHANGED (member waiting)"
