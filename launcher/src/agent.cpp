@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <thread>
 
@@ -61,6 +62,11 @@ std::atomic<int> g_signal{0};             // a stop signal
 std::atomic<int> g_checkpoint_signal{0};  // a checkpoint-and-stop signal
 std::atomic<bool> g_workers_active{false};
 std::atomic<bool> g_checkpoint_stopping{false};
+// While group rank 0 of the last round re-forms (no workers run), a time-limit or preemption
+// signal cannot reach any worker: the newest checkpoint stands, so that agent requeues the job
+// from the signal thread before exiting. The main thread sets the hook once, before the flag.
+std::function<void(int)> g_requeue_in_rendezvous;
+std::atomic<bool> g_requeuer_in_rendezvous{false};
 
 bool is_checkpoint_signal(int sig) { return sig == SIGUSR1 || sig == SIGUSR2 || sig == SIGTERM; }
 
@@ -84,6 +90,12 @@ void start_signal_thread() {
         continue;
       }
       if (!g_workers_active) {
+        if (is_checkpoint_signal(sig) && g_requeuer_in_rendezvous.load(std::memory_order_acquire)) {
+          g_checkpoint_stopping = true;
+          spdlog::info("received {} during the rendezvous (no workers running): the last checkpoint stands",
+                       signal_name(sig));
+          g_requeue_in_rendezvous(sig);
+        }
         spdlog::info("received {}: no workers running; exiting {}", signal_name(sig), 128 + sig);
         spdlog::default_logger()->flush();
         ::_exit(128 + sig);
@@ -212,7 +224,8 @@ class Agent {
   std::vector<Failure> job_failures();
   std::optional<State> checkpoint_stop(std::optional<WorkerGroup>& group, int& rc);
   bool stop_requested_elsewhere();
-  bool request_requeue(FailureClass cls, const std::vector<std::string>& exclude);
+  // `signal`: the stop signal behind the request (SIGTERM is checked with slurmctld), or 0.
+  bool request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal);
   void write_control(elastrun::control::Request request);
   void requeue_failed_job();
   bool killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits);
@@ -529,14 +542,14 @@ bool Agent::stop_requested_elsewhere() {
 }
 
 // Brings the job back through Slurm (group rank 0 only). False when it will not come back.
-bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& exclude) {
+bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal) {
   if (!env_.slurm) {
     spdlog::info("requeue ({}): not running under Slurm, so the job cannot be requeued; the exit code tells the caller",
                  to_string(cls));
     return false;
   }
   const auto& job_id = env_.slurm->job_id;
-  if (stop_signal_ == SIGTERM) {
+  if (signal == SIGTERM) {
     // SIGTERM also comes from scancel and from reaching the time limit: ask slurmctld which
     auto job = load_slurm_job(job_id);
     if (!job) {
@@ -612,7 +625,7 @@ void Agent::requeue_failed_job() {
   }
   if (!request) return;
   g_checkpoint_stopping = true;  // Slurm's SIGTERM after our requeue must not cut the exclusion short
-  request_requeue(FailureClass::App, {});
+  request_requeue(FailureClass::App, {}, 0);
 }
 
 // The survivors of a node loss could not form a round of --nnodes MIN: one of them (the first
@@ -633,7 +646,7 @@ void Agent::requeue_after_node_loss() {
     return;
   }
   g_checkpoint_stopping = true;
-  request_requeue(FailureClass::Node, lost);
+  request_requeue(FailureClass::Node, lost, 0);
 }
 
 // CHECKPOINT_STOP: ask the local workers to checkpoint and stop (control channel; the signal
@@ -721,7 +734,7 @@ std::optional<State> Agent::checkpoint_stop(std::optional<WorkerGroup>& group, i
   }
   rc = local_ok ? kCheckpointedExitCode : stop_signal_ ? 128 + stop_signal_ : 1;
   if (round.group_rank == 0) {
-    request_requeue(stop_class_, {});
+    request_requeue(stop_class_, {}, stop_signal_);
     try {
       rdzv_->close(fmt::format("checkpointed and stopped ({})", to_string(stop_class_)));
     } catch (const std::exception& e) {
@@ -770,6 +783,16 @@ int Agent::run() {
   }
   for (const auto& key : o_.ignored_rdzv_conf) spdlog::info("--rdzv-conf {}: accepted, no effect here", key);
 
+  g_requeue_in_rendezvous = [this](int sig) {
+    request_requeue(sig == SIGTERM ? FailureClass::Preempt : FailureClass::TimeLimit, {}, sig);
+    spdlog::default_logger()->flush();
+  };
+  struct RequeuerInRendezvous {  // armed only around next_round, on group rank 0 of the last round
+    explicit RequeuerInRendezvous(bool on) { g_requeuer_in_rendezvous.store(on, std::memory_order_release); }
+    ~RequeuerInRendezvous() { g_requeuer_in_rendezvous.store(false, std::memory_order_release); }
+    RequeuerInRendezvous(const RequeuerInRendezvous&) = delete;
+    RequeuerInRendezvous& operator=(const RequeuerInRendezvous&) = delete;
+  };
   int rc = 1;
   {
     std::optional<WorkerGroup> group;
@@ -788,7 +811,10 @@ int Agent::run() {
           state(st, fmt::format("run '{}' nodes {}:{}", plan_.run_id, min_nodes_, max_nodes_));
           const auto t0 = Clock::now();
           try {
+            const auto& last = rdzv_->current();
+            std::optional<RequeuerInRendezvous> requeuer(std::in_place, last.group_world_size > 0 && last.group_rank == 0);
             const auto& r = rdzv_->next_round();
+            requeuer.reset();
             restart_count_ = rdzv_->add_to_counter("restarts", 0);
             state(st, fmt::format(
                           "round {} formed in {} ms: group rank {} of {}, ranks {}..{} of {}, master {}:{}",

@@ -14,6 +14,10 @@
 #   second node -> the survivor cannot form a 2-node round within join_timeout (20 s) -> it
 #   requeues the job (class node) excluding the lost node; the second run runs on the two other
 #   nodes (SLURM_RESTART_COUNT=1) and finishes; the ledger counts one node requeue.
+# rendezvous: as node, but join_timeout is long: the survivor (group rank 0 of the lost round)
+#   waits in RENDEZVOUS with no workers; `scancel --signal=USR1 JOB` then makes it requeue the job
+#   (class timelimit: no worker can checkpoint, the last checkpoint stands) before it exits; the
+#   second run finishes; the ledger counts one timelimit requeue and no node requeue.
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (this test uses <id>-requeue), ELASTRUN_BIN.
 set -euo pipefail
 case_name=$1
@@ -41,10 +45,11 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 job_state() { scontrol show job "$job" 2>/dev/null | grep -oP 'JobState=\K\S+' || echo GONE; }
 
 "$TB" down >/dev/null 2>&1 || true
-"$TB" up "$([[ $case_name == node ]] && echo 3 || echo 2)"
+"$TB" up "$([[ $case_name == signal ]] && echo 2 || echo 3)"
 eval "$("$TB" env)"
 
-if [[ $case_name == node ]]; then
+if [[ $case_name == node || $case_name == rendezvous ]]; then
+  join_timeout=20; [[ $case_name == rendezvous ]] && join_timeout=600
   cat >"$out/job.sh" <<EOF
 #!/bin/bash
 run=\${SLURM_RESTART_COUNT:-0}
@@ -53,7 +58,7 @@ mkdir -p "$out/run\$run"
 sleep_s=300; [[ \$run -ge 1 ]] && sleep_s=2
 TMPDIR=$out/tmp TEST_WORKER_SLEEP=\$sleep_s TEST_WORKER_OUT_DIR=$out/run\$run \\
   srun --no-kill -N2 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" --nnodes=2 --nproc-per-node=1 \\
-  --checkpoint-dir=$out/ckpt --rdzv-conf=join_timeout=20,heartbeat_timeout=2 "$worker"
+  --checkpoint-dir=$out/ckpt --rdzv-conf=join_timeout=$join_timeout,heartbeat_timeout=2 "$worker"
 echo "srun exited \$? in run \$run"
 EOF
   chmod +x "$out/job.sh"
@@ -71,6 +76,17 @@ EOF
   "$TB" kill-node "$victim"
   killed=$SECONDS
   echo "killed $victim (group rank 1)"
+  if [[ $case_name == rendezvous ]]; then
+    # the survivor's second RENDEZVOUS: it waits for a 2nd node that will not come
+    deadline=$((SECONDS + 120))
+    until (($(grep -c "\] state RENDEZVOUS run" "$out/job.out" 2>/dev/null) >= 3)); do
+      ((SECONDS < deadline)) || fail "the survivor did not go back to RENDEZVOUS (state $(job_state))"
+      sleep 0.5
+    done
+    sleep 1
+    scancel --signal=USR1 "$job"
+    echo "sent USR1 to job $job while the survivor waits in RENDEZVOUS"
+  fi
   deadline=$((SECONDS + 300))
   until [[ -e $out/batch.run1 ]]; do
     ((SECONDS < deadline)) || fail "the job did not come back after losing $victim (state $(job_state))"
@@ -84,7 +100,7 @@ EOF
   done
   for _ in $(seq 60); do [[ $(job_state) == COMPLETED ]] && break; sleep 1; done
   [[ $(job_state) == COMPLETED ]] || fail "job state $(job_state), expected COMPLETED"
-  /usr/bin/python3 - "$out" "$victim" <<'PY'
+  /usr/bin/python3 - "$out" "$victim" "$case_name" <<'PY'
 import glob, json, sys
 out, victim = sys.argv[1], sys.argv[2]
 second = [json.load(open(f)) for f in glob.glob(out + "/run1/rank*.json")]
@@ -92,10 +108,21 @@ assert sorted(int(r["RANK"]) for r in second) == [0, 1], second
 assert all(r["SLURM_RESTART_COUNT"] == "1" for r in second), second
 assert victim not in {r["ELASTRUN_NODE"] for r in second}, second
 ledger = json.load(open(out + "/ckpt/elastrun-requeue.json"))
-assert ledger["node"] == 1 and ledger["timelimit"] == 0, ledger
+want = {"node": (1, 0), "rendezvous": (0, 1)}[sys.argv[3]]
+assert (ledger["node"], ledger["timelimit"]) == want, ledger
 print("ok: second run on", sorted(r["ELASTRUN_NODE"] for r in second), "with SLURM_RESTART_COUNT=1; ledger", ledger)
 PY
   log=$out/job.out
+  if [[ $case_name == rendezvous ]]; then
+    grep -q "received SIGUSR1 during the rendezvous (no workers running): the last checkpoint stands" "$log" ||
+      fail "the survivor did not take USR1 as a requeue request during the rendezvous"
+    [[ $(grep -c "requeued job $job (class timelimit, requeue 1 of inf)" "$log") -eq 1 ]] ||
+      fail "expected one timelimit-class requeue"
+    grep -q "requeued job $job (class node" "$log" && fail "unexpected node-class requeue"
+    grep -E "\] (state |error|requeue|received|exiting)" "$log" | head -40
+    echo "ok: slurm.launcher_requeue_rendezvous"
+    exit 0
+  fi
   [[ $(grep -c "requeued job $job (class node, requeue 1 of 3)" "$log") -eq 1 ]] || fail "expected one node-class requeue"
   grep -q "excluding node(s) $victim from requeued job $job" "$log" || fail "no line about excluding $victim"
   # the agent may be killed by the requeue before it logs the outcome: ask slurmctld
