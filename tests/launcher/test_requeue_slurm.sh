@@ -18,6 +18,11 @@
 #   waits in RENDEZVOUS with no workers; `scancel --signal=USR1 JOB` then makes it requeue the job
 #   (class timelimit: no worker can checkpoint, the last checkpoint stands) before it exits; the
 #   second run finishes; the ledger counts one timelimit requeue and no node requeue.
+# preempt: the signal case on a testbed with preemption (TESTBED_PREEMPT=1: partition `urgent`
+#   preempts `test`, GraceTime 20 s); instead of USR1, an exclusive 2-node job in `urgent` preempts
+#   ours -> Slurm sends SIGTERM -> both agents CHECKPOINT_STOP class preempt, the 4 workers
+#   checkpoint, n1 asks slurmctld (preempted, not cancelled) and requeues once; the urgent job runs,
+#   then the second run finishes; the ledger counts one preempt requeue.
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (this test uses <id>-requeue), ELASTRUN_BIN.
 set -euo pipefail
 case_name=$1
@@ -45,7 +50,8 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 job_state() { scontrol show job "$job" 2>/dev/null | grep -oP 'JobState=\K\S+' || echo GONE; }
 
 "$TB" down >/dev/null 2>&1 || true
-"$TB" up "$([[ $case_name == signal ]] && echo 2 || echo 3)"
+[[ $case_name == preempt ]] && export TESTBED_PREEMPT=1 TESTBED_GRACE_TIME=20
+"$TB" up "$([[ $case_name == signal || $case_name == preempt ]] && echo 2 || echo 3)"
 eval "$("$TB" env)"
 
 if [[ $case_name == node || $case_name == rendezvous ]]; then
@@ -155,16 +161,22 @@ until [[ $(ls "$out"/run0/rank*.json 2>/dev/null | wc -l) -ge 4 ]]; do
   sleep 0.5
 done
 sleep 1  # the workers poll the channel right after they print their environment
-scancel --signal=USR1 "$job"
-signalled=$SECONDS
-echo "sent USR1 to job $job"
+if [[ $case_name == preempt ]]; then
+  urgent=$(sbatch --parsable -p urgent -N2 --exclusive -o "$out/urgent.out" --wrap "echo urgent ran")
+  signalled=$SECONDS
+  echo "submitted urgent job $urgent (preempts job $job)"
+else
+  scancel --signal=USR1 "$job"
+  signalled=$SECONDS
+  echo "sent USR1 to job $job"
+fi
 
 deadline=$((SECONDS + 300))
 until [[ -e $out/batch.run1 ]]; do
   ((SECONDS < deadline)) || fail "the job did not come back (state $(job_state))"
   sleep 1
 done
-echo "job $job requeued and restarted $((SECONDS - signalled)) s after USR1"
+echo "job $job requeued and restarted $((SECONDS - signalled)) s after $([[ $case_name == preempt ]] && echo "the urgent job's submission" || echo USR1)"
 deadline=$((SECONDS + 180))
 until grep -q "srun exited .* in run 1" "$out/job.out" 2>/dev/null; do
   ((SECONDS < deadline)) || fail "the second run did not finish (state $(job_state))"
@@ -173,9 +185,10 @@ done
 for _ in $(seq 60); do [[ $(job_state) == COMPLETED ]] && break; sleep 1; done
 [[ $(job_state) == COMPLETED ]] || fail "job state $(job_state), expected COMPLETED"
 
-/usr/bin/python3 - "$out" <<'PY'
+cls=$([[ $case_name == preempt ]] && echo preempt || echo timelimit)
+/usr/bin/python3 - "$out" "$cls" <<'PY'
 import glob, json, sys
-out = sys.argv[1]
+out, cls = sys.argv[1], sys.argv[2]
 ck = [json.load(open(f)) for f in glob.glob(out + "/run0/checkpoint.rank*.json")]
 assert sorted(int(c["rank"]) for c in ck) == [0, 1, 2, 3], ck
 assert all(c["request"] == "checkpoint-and-stop" for c in ck), ck
@@ -186,15 +199,18 @@ assert sorted(int(r["RANK"]) for r in second) == [0, 1, 2, 3], second
 assert all(r["SLURM_RESTART_COUNT"] == "1" for r in second), second
 assert not glob.glob(out + "/run1/checkpoint.rank*.json"), "the second run was asked to checkpoint"
 ledger = json.load(open(out + "/ckpt/elastrun-requeue.json"))
-assert ledger["timelimit"] == 1 and ledger["app"] == 0, ledger
+assert ledger[cls] == 1 and sum(v for k, v in ledger.items() if k != "job_id") == 1, ledger
 print("ok: 4 workers checkpointed in run 0; run 1 saw SLURM_RESTART_COUNT=1 and finished; ledger", ledger)
 PY
 log=$out/job.out
-[[ $(grep -c "state CHECKPOINT_STOP class timelimit" "$log") -eq 2 ]] || fail "expected CHECKPOINT_STOP on both agents"
+[[ $(grep -c "state CHECKPOINT_STOP class $cls" "$log") -eq 2 ]] || fail "expected CHECKPOINT_STOP class $cls on both agents"
 [[ $(grep -c "2 of 2 local worker(s) checkpointed" "$log") -eq 2 ]] || fail "expected both agents' workers checkpointed"
-[[ $(grep -c "requeued job $job (class timelimit, requeue 1 of inf)" "$log") -eq 1 ]] ||
+[[ $(grep -c "requeued job $job (class $cls, requeue 1 of inf)" "$log") -eq 1 ]] ||
   fail "expected exactly one requeue call (group rank 0)"
 grep -q "^\[elastrun node n1\] requeued job $job" "$log" || fail "the requeue did not come from n1 (group rank 0)"
 [[ $(grep -c "done; exiting 0" "$log") -eq 2 ]] || fail "the second run's agents did not both exit 0"
+if [[ $case_name == preempt ]]; then
+  grep -q "urgent ran" "$out/urgent.out" 2>/dev/null || fail "the urgent job did not run"
+fi
 grep -E "state CHECKPOINT_STOP|received|requeue|exiting" "$log" | head -20
-echo "ok: slurm.launcher_requeue_signal"
+echo "ok: slurm.launcher_requeue_$case_name"
