@@ -223,6 +223,7 @@ class Agent {
   void print_summary();
   std::vector<Failure> job_failures();
   std::optional<State> checkpoint_stop(std::optional<WorkerGroup>& group, int& rc);
+  Change checkpoint_before_scale_up(WorkerGroup& group);
   bool stop_requested_elsewhere();
   // `signal`: the stop signal behind the request (SIGTERM is checked with slurmctld), or 0.
   bool request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal);
@@ -745,6 +746,85 @@ std::optional<State> Agent::checkpoint_stop(std::optional<WorkerGroup>& group, i
   return std::nullopt;
 }
 
+// A node waits to join and every member is alive: the re-forming is planned, so workers that read
+// the control channel checkpoint and stop first (exit 85), and the larger round resumes from now
+// rather than from the last periodic checkpoint. Every agent of the round sees the same waiting
+// node and asks its own workers, so a collective save finds all ranks. Any other change meanwhile
+// (a member lost: a collective would hang; a new round; a close) stops the workers at once.
+// Returns the change to act on.
+Change Agent::checkpoint_before_scale_up(WorkerGroup& group) {
+  if (!fs::exists(control_path_ + elastrun::control::kSeenSuffix)) {
+    spdlog::info("scale-up: the workers never polled {}: re-forming without a checkpoint", control_path_);
+    return Change::MemberWaiting;
+  }
+  try {
+    write_control(elastrun::control::Request::CheckpointAndStop);
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: {}; re-forming without a checkpoint", e.what());
+    return Change::MemberWaiting;
+  }
+  spdlog::info("scale-up: asked the workers to checkpoint and stop before re-forming (up to {} s)",
+               o_.checkpoint_timeout.count() / 1000);
+  const auto deadline = Clock::now() + o_.checkpoint_timeout;
+  int checkpointed = 0;
+  while (true) {
+    for (const auto& e : group.poll_exits()) {
+      if (e.signal == 0 && e.exit_code == elastrun::control::kCheckpointedExitCode) {
+        ++checkpointed;
+        spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
+      } else if (e.ok()) {
+        spdlog::info("worker {} exited 0", e.global_rank);
+      } else {
+        // not counted against --max-restarts: the round is being re-formed anyway
+        spdlog::warn("warning: worker {} {} during the scale-up checkpoint", e.global_rank,
+                     e.signal ? fmt::format("died of {}", signal_name(e.signal)) : fmt::format("exited {}", e.exit_code));
+      }
+    }
+    if (group.all_exited()) {
+      spdlog::info("scale-up: {} of {} local worker(s) checkpointed", checkpointed, o_.nproc_per_node);
+      break;
+    }
+    if (g_signal.load() || g_checkpoint_signal.load()) return Change::MemberWaiting;  // the next state handles it
+    if (Clock::now() >= deadline) {
+      spdlog::warn("warning: the workers did not all checkpoint within --checkpoint-timeout={} s: stopping them",
+                   o_.checkpoint_timeout.count() / 1000);
+      return Change::MemberWaiting;
+    }
+    if (const Change c = rdzv_->wait_for_change(Millis(50)); c != Change::None && c != Change::MemberWaiting) {
+      spdlog::info("scale-up: {} during the checkpoint: stopping the workers now", to_string(c));
+      return c;
+    }
+  }
+  // Wait for the other nodes' workers too: the first agent to re-form would otherwise start the
+  // next round and make the others stop workers that are still saving.
+  const auto& round = rdzv_->current();
+  if (round.group_world_size <= 1) return Change::MemberWaiting;
+  try {
+    const auto key = fmt::format("scale-up-checkpoint/{}", round.generation);
+    auto done = rdzv_->add_to_counter(key, 1);
+    for (; done < round.group_world_size; done = rdzv_->add_to_counter(key, 0)) {
+      if (Clock::now() >= deadline) {
+        spdlog::warn("warning: {} of {} node(s) finished the scale-up checkpoint within --checkpoint-timeout; re-forming",
+                     done, round.group_world_size);
+        break;
+      }
+      if (const Change c = rdzv_->wait_for_change(Millis(50)); c != Change::None && c != Change::MemberWaiting) {
+        // a node that saw everyone done first starts the next round (Reform): not an interruption
+        if (rdzv_->add_to_counter(key, 0) >= round.group_world_size) {
+          spdlog::info("scale-up: every node checkpointed; re-forming");
+        } else {
+          spdlog::info("scale-up: {} while waiting for the other nodes' checkpoint", to_string(c));
+        }
+        return c;
+      }
+    }
+    if (done >= round.group_world_size) spdlog::info("scale-up: every node checkpointed; re-forming");
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: waiting for the other nodes' scale-up checkpoint: {}", e.what());
+  }
+  return Change::MemberWaiting;
+}
+
 // The store (or a standby we failed over to) lives in this process: keep it up until the
 // other agents have left (they need it to see the close / pass the exit barrier), bounded.
 void Agent::linger_for_peers() {
@@ -992,6 +1072,7 @@ int Agent::run() {
           state(st, change == Change::Closed
                         ? std::string("rendezvous closed by another agent: stopping workers")
                         : fmt::format("{}: stopping workers, re-forming (no restart counted)", to_string(change)));
+          if (change == Change::MemberWaiting && o_.scale_up_checkpoint) change = checkpoint_before_scale_up(*group);
           group->stop(o_.stop_grace);
           group.reset();
           g_workers_active = false;

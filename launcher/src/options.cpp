@@ -205,7 +205,7 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
       "signal N. SIGUSR1/SIGUSR2/SIGTERM ask workers to checkpoint and stop through\n"
       "$ELASTRUN_CONTROL_FILE. See docs/launcher.md.");
 
-  std::string requeue_budget, checkpoint_timeout = "300";
+  std::string requeue_budget, checkpoint_timeout = "300", scale_up_checkpoint = "true";
   std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300",
               redirects = "0", tee = "0", ranks_filter, node_rank, master_port;
   app.add_option("--nnodes", nnodes, "N or MIN:MAX nodes (default: the Slurm step's node count, else 1)");
@@ -248,6 +248,9 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
                  "seconds workers get to checkpoint after a stop signal before they are stopped (default 300)");
   app.add_flag("--forward-signals,--forward_signals", o.forward_signals,
                "also send SIGUSR1/SIGUSR2/SIGTERM to the workers (legacy scripts with own handlers)");
+  app.add_option("--scale-up-checkpoint,--scale_up_checkpoint", scale_up_checkpoint,
+                 "before re-forming for a node that joins, ask workers that read the control channel to "
+                 "checkpoint and stop (true|false, default true)");
   app.add_option("--requeue-budget,--requeue_budget", requeue_budget,
                  "Slurm requeues allowed per class, CLASS:N|inf,... (default app:0,node:3,timelimit:inf,preempt:inf)");
 
@@ -285,6 +288,12 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   o.stop_grace = seconds_option("--stop-grace", grace);
   o.exit_barrier_timeout = seconds_option("--exit-barrier-timeout", exit_barrier);
   o.checkpoint_timeout = seconds_option("--checkpoint-timeout", checkpoint_timeout);
+  if (scale_up_checkpoint == "true" || scale_up_checkpoint == "1" || scale_up_checkpoint == "yes")
+    o.scale_up_checkpoint = true;
+  else if (scale_up_checkpoint == "false" || scale_up_checkpoint == "0" || scale_up_checkpoint == "no")
+    o.scale_up_checkpoint = false;
+  else
+    throw UsageError(fmt::format("--scale-up-checkpoint='{}' must be true or false", scale_up_checkpoint));
   if (!requeue_budget.empty()) o.requeue_budget = parse_requeue_budget(requeue_budget, o.requeue_budget);
   o.redirects = parse_stream_spec("--redirects", redirects);
   o.tee = parse_stream_spec("--tee", tee);

@@ -75,6 +75,7 @@ struct AgentOptions {
   std::string checkpoint_dir;          // --checkpoint-dir: ELASTRUN_CHECKPOINT_DIR, requeue ledger
   Millis checkpoint_timeout{300'000};  // --checkpoint-timeout: wait for workers to checkpoint
   bool forward_signals = false;        // --forward-signals: also send SIGUSR1/2, SIGTERM to workers
+  bool scale_up_checkpoint = true;     // --scale-up-checkpoint: checkpoint-and-stop before a scale-up
   // --requeue-budget: requeues allowed per FailureClass across the job's life (kUnlimited: no limit)
   std::array<std::int64_t, kFailureClasses> requeue_budget{0, 3, kUnlimited, kUnlimited};
   // the program and its arguments, untouched

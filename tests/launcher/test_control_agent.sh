@@ -16,6 +16,10 @@
 #               both nodes checkpoint, both agents exit 85
 #   summary     two agents, a worker of the second fails for good: group rank 0 (the first agent,
 #               whose own workers did not fail) prints the job-wide summary naming rank 3
+#   scale_up    two agents (--nnodes=2:3) whose 4 workers read the channel; a third agent arrives ->
+#               the two ask their workers to checkpoint-and-stop before re-forming (exit 85, 4 markers,
+#               no restart counted), the 3-node round runs 6 workers, all agents exit 0; again with
+#               --scale-up-checkpoint=false: re-formed without any checkpoint
 #   bad_flags   bad --requeue-budget / --checkpoint-timeout: one error line, exit 2
 set -uo pipefail
 case_name=$1
@@ -213,8 +217,50 @@ two_agents | summary)
     echo "ok: group rank 0 prints the job-wide summary of another node's failure"
   fi
   ;;
+scale_up)
+  for mode in true false; do
+    rm -rf "$work"/out/* && mkdir -p "$work/out"
+    port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    common=(--nnodes=2:3 --nproc-per-node=2 --rdzv-endpoint=127.0.0.1:$port --rdzv-auth=none --rdzv-id=scale-$mode
+            --monitor-interval=0.05 --scale-up-checkpoint=$mode)
+    # 4-worker round: poll the channel for up to 120 s; the 6-worker round: exit 0 at once
+    export TEST_WORKER_POLL_CONTROL=1 TEST_WORKER_SLEEP=120 TEST_WORKER_SLEEP_WORLD_SIZE=4
+    pids=()
+    start_agent a --rdzv-conf=is_host=1 --node-rank=0 "${common[@]}" "$worker"
+    start_agent b --node-rank=1 "${common[@]}" "$worker"
+    wait_files "$work/out/rank*.json" 4 || fail "4 workers did not start"
+    sleep 0.5  # the workers' first poll leaves the .seen marker
+    start_agent c --node-rank=2 "${common[@]}" "$worker"
+    finish "${pids[2]}"; rc_c=$?
+    finish "${pids[1]}"; rc_b=$?
+    finish "${pids[0]}"; rc_a=$?
+    [[ $rc_a -eq 0 && $rc_b -eq 0 && $rc_c -eq 0 ]] || fail "[$mode] agents exited $rc_a/$rc_b/$rc_c, expected 0/0/0"
+    six=$(grep -l '"WORLD_SIZE":"6"' "$work"/out/rank*.gen*.json 2>/dev/null | wc -l)
+    ((six == 6)) || fail "[$mode] $six workers ran in a 6-worker round, expected 6"
+    grep -h -o '"TORCHELASTIC_RESTART_COUNT":"[0-9]*"' "$work"/out/rank*.gen*.json | grep -qv '"0"' &&
+      fail "[$mode] a restart was counted"
+    for x in a b; do grep -q "state MEMBERSHIP_CHANGED member waiting" "$work/$x.err" || fail "[$mode] agent $x saw no scale-up"; done
+    if [[ $mode == true ]]; then
+      check_checkpointed 0 1 2 3
+      for x in a b; do
+        grep -q "scale-up: 2 of 2 local worker(s) checkpointed" "$work/$x.err" || fail "agent $x: workers did not checkpoint"
+        grep -q "scale-up: every node checkpointed; re-forming" "$work/$x.err" || fail "agent $x did not wait for the other node"
+      done
+    else
+      # markers may come from the SIGTERM of the stop (the worker's handlers): never from the channel
+      for f in "$work"/out/checkpoint.rank*.json; do
+        [[ -e $f ]] || continue
+        [[ $(json "$f" 'd["sequence"]') == 0 ]] || fail "[false] a worker was asked to checkpoint: $(cat "$f")"
+      done
+      grep -q "scale-up:" "$work/a.err" "$work/b.err" && fail "[false] the agents went through the scale-up checkpoint"
+    fi
+    [[ -z $(alive_workers) ]] || fail "[$mode] workers left: $(alive_workers)"
+    echo "ok: --scale-up-checkpoint=$mode: 3rd agent -> re-formed with 6 workers$([[ $mode == true ]] && echo ", the 4 first checkpointed (exit 85)")"
+  done
+  ;;
 bad_flags)
-  for args in "--requeue-budget=app:x" "--requeue-budget=gpu:1" "--requeue-budget=app" "--checkpoint-timeout=soon"; do
+  for args in "--requeue-budget=app:x" "--requeue-budget=gpu:1" "--requeue-budget=app" "--checkpoint-timeout=soon" \
+              "--scale-up-checkpoint=maybe"; do
     "$elastrun" --standalone $args "$worker" >"$work/bad.out" 2>"$work/bad.err"
     rc=$?
     [[ $rc -eq 2 ]] || fail "$args: exit $rc, expected 2"

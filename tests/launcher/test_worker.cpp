@@ -7,7 +7,8 @@
 //   TEST_WORKER_ERROR_MESSAGE=TEXT writes TORCHELASTIC_ERROR_FILE like PyTorch's @record first
 //   TEST_WORKER_SLEEP=SECONDS      sleeps before exiting (failing ranks fail after TEST_WORKER_FAIL_AFTER s, default 0)
 //   TEST_WORKER_SPAWN_ORPHAN=1     leaves a grandchild behind in a session of its own (setsid), sleeping
-//   TEST_WORKER_SLEEP_WORLD_SIZE=N ... only when WORLD_SIZE is N (e.g. only in the first, larger round)
+//   TEST_WORKER_SLEEP_WORLD_SIZE=N ... only when WORLD_SIZE is N (e.g. only in the first, larger round;
+//                                  also bounds the polling below)
 //   TEST_WORKER_POLL_CONTROL=1     sleeps polling the control channel (elastrun/control.hpp, with its
 //                                  signal handlers) every 20 ms; on checkpoint-and-stop writes
 //                                  DIR/checkpoint.rank<RANK>.json and exits 85 (checkpointed)
@@ -106,8 +107,10 @@ int main(int argc, char** argv) {
   if (env("TEST_WORKER_POLL_CONTROL") == "1") {
     namespace control = elastrun::control;
     control::install_signal_handlers();
-    const auto until = std::chrono::steady_clock::now() +
-                       std::chrono::milliseconds(static_cast<long>(std::atof(env("TEST_WORKER_SLEEP", "0").c_str()) * 1000));
+    const std::string poll_world = env("TEST_WORKER_SLEEP_WORLD_SIZE");
+    const double poll_seconds =
+        poll_world.empty() || poll_world == env("WORLD_SIZE") ? std::atof(env("TEST_WORKER_SLEEP", "0").c_str()) : 0.0;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(poll_seconds * 1000));
     while (std::chrono::steady_clock::now() < until) {
       const auto status = control::poll();
       if (status.stop()) {
