@@ -28,9 +28,6 @@ namespace {
 
 std::string_view placement_name(Placement placement) { return detail::placement_name(placement); }
 
-// Runs of a piece hashed and then written while still in the CPU cache.
-constexpr std::uint64_t kWriteChunk = 4ULL << 20;
-
 }  // namespace
 
 std::optional<Box> detail::rank_piece(const TensorView& t, int rank, int world) {
@@ -174,7 +171,7 @@ json write_shard(const fs::path& directory, std::uint64_t step, std::span<const 
         // written: one pass over the bytes serves both (no staging copy, no separate hash pass).
         detail::Xxh3Stream stream;
         const std::string what = fmt::format("write tensor {} to {}", t.name, file_path.string());
-        if (piece_bytes <= kWriteChunk || piece->extent.empty()) {
+        if (piece_bytes <= detail::kWriteChunk || piece->extent.empty()) {
           stream.update(bytes, piece_bytes);
           h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes),
                     what);
@@ -182,7 +179,7 @@ json write_shard(const fs::path& directory, std::uint64_t step, std::span<const 
           h5::Handle file_space = h5::make_space(H5Dget_space(dataset.get()), "get dataspace");
           std::vector<hsize_t> start(piece->extent.size()), count(piece->extent.size());
           detail::for_each_chunk(
-              piece->extent, element_size, kWriteChunk,
+              piece->extent, element_size, detail::kWriteChunk,
               [&](const Shape& chunk_start, const Shape& chunk_count, std::uint64_t offset,
                   std::uint64_t chunk_bytes) {
                 std::copy(chunk_start.begin(), chunk_start.end(), start.begin());

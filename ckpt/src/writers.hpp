@@ -14,6 +14,9 @@ namespace elastrun::ckpt::detail {
 
 inline constexpr std::string_view kSharedDataFile = "data.h5";
 
+// Runs of a piece hashed and then written while still in the CPU cache (both layouts).
+inline constexpr std::uint64_t kWriteChunk = 4ULL << 20;
+
 inline std::string_view placement_name(Placement placement) {
   return placement == Placement::sharded ? "sharded" : "replicated";
 }
@@ -51,11 +54,13 @@ const std::byte* piece_data(const TensorView& t, const Box& piece,
 void validate_tensors(std::span<const TensorView> tensors);
 
 // Collective over an MpiCommunicator: writes every rank's pieces into <directory>/data.h5 with
-// MPI-IO (collective metadata and transfers). Returns this rank's report for the vote.
-// Every rank calls it, also one that already failed (local_error): the error is shared in the
-// first collective round and all ranks throw together. After each collective phase the ranks
-// agree on a status flag, so a failure on one rank (e.g. a write error) makes every rank throw
-// an error naming it instead of leaving the others blocked in the next collective call.
+// MPI-IO (collective metadata; independent transfers, hashed while written, unless
+// SaveOptions::shared_file_aggregation asks for collective ones). Returns this rank's report
+// for the vote. Every rank calls it, also one that already failed (local_error): the error is
+// shared in the first collective round and all ranks throw together. After each collective
+// phase (and after the independent writes) the ranks agree on a status flag, so a failure on
+// one rank (e.g. a write error) makes every rank throw an error naming it instead of leaving
+// the others blocked in the next collective call.
 nlohmann::json write_shared_file(const std::filesystem::path& directory, std::uint64_t step,
                                  std::span<const TensorView> tensors, Communicator& comm,
                                  const SaveOptions& options, PieceSource source,

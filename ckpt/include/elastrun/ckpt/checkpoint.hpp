@@ -47,9 +47,10 @@ struct SaveOptions {
   int keep_last = 0;
   std::uint64_t keep_every = 0;
   ReplicaCheck check_replicas = ReplicaCheck::sampled;
-  // Shared-file layout: let MPI-IO aggregate the collective transfers (two-phase I/O through a
-  // few aggregator ranks; can help for many small, interleaved pieces). Off: each rank writes
-  // its pieces directly within the collective call (less memory, no extra copy).
+  // Shared-file layout: collective transfers with MPI-IO's two-phase aggregation (one collective
+  // write per tensor; can help for many small, interleaved pieces). Off (default): each rank
+  // writes its own pieces with independent transfers, hashed while written, writeback started
+  // early (twice as fast here for large per-rank pieces, docs/checkpoint-format.md).
   bool shared_file_aggregation = false;
 };
 
