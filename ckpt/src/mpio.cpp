@@ -157,45 +157,6 @@ class WritebackHint {
   int fd_;
 };
 
-// Independent transfer of this rank's piece, in cache-sized runs hashed just before they are
-// written (one pass over the bytes serves both, as in the file-per-rank writer), each run's
-// writeback started right after it. Returns the piece's xxh3.
-std::uint64_t write_piece(hid_t dataset, hid_t type, const Shape& shape, const Box& piece,
-                          std::size_t element_size, const std::byte* bytes, haddr_t address,
-                          WritebackHint& writeback, const std::string& what) {
-  Xxh3Stream stream;
-  if (shape.empty()) {  // 0-d: the one element
-    stream.update(bytes, element_size);
-    h5::check(H5Dwrite(dataset, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes), what);
-    return stream.digest();
-  }
-  h5::Handle file_space = h5::make_space(H5Dget_space(dataset), "get dataspace");
-  std::vector<hsize_t> start(shape.size()), count(shape.size());
-  Box run{Shape(shape.size()), Shape(shape.size())};
-  for_each_chunk(piece.extent, element_size, kWriteChunk,
-                 [&](const Shape& chunk_start, const Shape& chunk_count, std::uint64_t offset,
-                     std::uint64_t chunk_bytes) {
-                   for (std::size_t d = 0; d < shape.size(); ++d) {
-                     run.offset[d] = piece.offset[d] + chunk_start[d];
-                     run.extent[d] = chunk_count[d];
-                   }
-                   std::copy(run.offset.begin(), run.offset.end(), start.begin());
-                   std::copy(run.extent.begin(), run.extent.end(), count.begin());
-                   h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(),
-                                                 nullptr, count.data(), nullptr),
-                             what);
-                   const hsize_t elements = chunk_bytes / element_size;
-                   h5::Handle memory_space = h5::make_space(
-                       H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
-                   stream.update(bytes + offset, chunk_bytes);
-                   h5::check(H5Dwrite(dataset, type, memory_space.get(), file_space.get(),
-                                      H5P_DEFAULT, bytes + offset),
-                             what);
-                   writeback.start(address, shape, run, element_size);
-                 });
-  return stream.digest();
-}
-
 }  // namespace
 
 json write_shared_file(const fs::path& directory, std::uint64_t step,
@@ -357,9 +318,13 @@ json write_shared_file(const fs::path& directory, std::uint64_t step,
         });
         phases.run("shared.write", [&] {
           if (piece) {
-            hash = write_piece(c.dataset.get(), c.type.get(), declaration.shape, *piece,
-                               element_size, bytes, c.address, writeback,
-                               fmt::format("write of {} to {}", name, file_path.string()));
+            // independent transfers; each run's writeback starts right after it
+            hash = write_hashed_runs(c.dataset.get(), c.type.get(), *piece, element_size, bytes,
+                                     /*whole_dataset=*/false,
+                                     fmt::format("write of {} to {}", name, file_path.string()),
+                                     [&](const Box& run) {
+                                       writeback.start(c.address, declaration.shape, run, element_size);
+                                     });
           }
         });
       }

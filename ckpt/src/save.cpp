@@ -122,6 +122,46 @@ std::map<std::string, std::uint64_t> detail::replica_fingerprints(
   return fingerprints;
 }
 
+std::uint64_t detail::write_hashed_runs(hid_t dataset, hid_t type, const Box& file_box,
+                                        std::size_t element_size, const std::byte* bytes,
+                                        bool whole_dataset, const std::string& what,
+                                        const std::function<void(const Box&)>& after_run) {
+  Xxh3Stream stream;
+  const std::uint64_t total = element_count(file_box.extent) * element_size;
+  if (file_box.extent.empty() || (whole_dataset && total <= kWriteChunk)) {  // 0-d, or one run
+    stream.update(bytes, total);
+    h5::check(H5Dwrite(dataset, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes), what);
+    if (after_run) after_run(file_box);
+    return stream.digest();
+  }
+  h5::Handle file_space = h5::make_space(H5Dget_space(dataset), "get dataspace");
+  const std::size_t rank = file_box.extent.size();
+  std::vector<hsize_t> start(rank), count(rank);
+  Box run{Shape(rank), Shape(rank)};
+  for_each_chunk(file_box.extent, element_size, kWriteChunk,
+                 [&](const Shape& chunk_start, const Shape& chunk_count, std::uint64_t offset,
+                     std::uint64_t chunk_bytes) {
+                   for (std::size_t d = 0; d < rank; ++d) {
+                     run.offset[d] = file_box.offset[d] + chunk_start[d];
+                     run.extent[d] = chunk_count[d];
+                   }
+                   std::copy(run.offset.begin(), run.offset.end(), start.begin());
+                   std::copy(run.extent.begin(), run.extent.end(), count.begin());
+                   h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(),
+                                                 nullptr, count.data(), nullptr),
+                             what);
+                   const hsize_t elements = chunk_bytes / element_size;
+                   h5::Handle memory_space = h5::make_space(
+                       H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
+                   stream.update(bytes + offset, chunk_bytes);
+                   h5::check(H5Dwrite(dataset, type, memory_space.get(), file_space.get(),
+                                      H5P_DEFAULT, bytes + offset),
+                             what);
+                   if (after_run) after_run(run);
+                 });
+  return stream.digest();
+}
+
 // Writes this rank's shard file and returns its report for the vote.
 namespace {
 
@@ -167,36 +207,9 @@ json write_shard(const fs::path& directory, std::uint64_t step, std::span<const 
             H5Dcreate2(file.get(), t.name.c_str(), type.get(), space.get(), lcpl.get(), dcpl.get(),
                        H5P_DEFAULT),
             fmt::format("create dataset {} in {}", t.name, file_path.string()));
-        // Straight from the caller's memory, in cache-sized runs hashed just before they are
-        // written: one pass over the bytes serves both (no staging copy, no separate hash pass).
-        detail::Xxh3Stream stream;
-        const std::string what = fmt::format("write tensor {} to {}", t.name, file_path.string());
-        if (piece_bytes <= detail::kWriteChunk || piece->extent.empty()) {
-          stream.update(bytes, piece_bytes);
-          h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes),
-                    what);
-        } else {
-          h5::Handle file_space = h5::make_space(H5Dget_space(dataset.get()), "get dataspace");
-          std::vector<hsize_t> start(piece->extent.size()), count(piece->extent.size());
-          detail::for_each_chunk(
-              piece->extent, element_size, detail::kWriteChunk,
-              [&](const Shape& chunk_start, const Shape& chunk_count, std::uint64_t offset,
-                  std::uint64_t chunk_bytes) {
-                std::copy(chunk_start.begin(), chunk_start.end(), start.begin());
-                std::copy(chunk_count.begin(), chunk_count.end(), count.begin());
-                h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(),
-                                              nullptr, count.data(), nullptr),
-                          what);
-                const hsize_t elements = chunk_bytes / element_size;
-                h5::Handle memory_space = h5::make_space(
-                    H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
-                stream.update(bytes + offset, chunk_bytes);
-                h5::check(H5Dwrite(dataset.get(), type.get(), memory_space.get(),
-                                   file_space.get(), H5P_DEFAULT, bytes + offset),
-                          what);
-              });
-        }
-        const std::uint64_t hash = stream.digest();
+        const std::uint64_t hash = detail::write_hashed_runs(
+            dataset.get(), type.get(), Box{Shape(piece->extent.size(), 0), piece->extent}, element_size, bytes,
+            /*whole_dataset=*/true, fmt::format("write tensor {} to {}", t.name, file_path.string()));
         h5::write_attr_string(dataset.get(), "dtype", dtype_name(t.dtype));
         h5::write_attr_u64_array(dataset.get(), "global_shape", t.global_shape,
                                  {t.global_shape.size()});

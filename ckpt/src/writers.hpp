@@ -1,9 +1,13 @@
 #pragma once
 // Private: pieces of save_checkpoint shared between the file-per-rank and shared-file writers.
+#include <hdf5.h>
+
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <span>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
@@ -16,6 +20,15 @@ inline constexpr std::string_view kSharedDataFile = "data.h5";
 
 // Runs of a piece hashed and then written while still in the CPU cache (both layouts).
 inline constexpr std::uint64_t kWriteChunk = 4ULL << 20;
+
+// Writes `bytes`, the C-order elements of `file_box` of `dataset` (independent transfers), in runs
+// of about kWriteChunk hashed just before they are written: one pass over the bytes serves both,
+// straight from the caller's memory. `whole_dataset`: the box is the whole dataset (a small piece
+// then goes in one H5S_ALL write). `after_run` sees each run's box in dataset coordinates.
+// Returns the xxh3 of all the bytes.
+std::uint64_t write_hashed_runs(hid_t dataset, hid_t type, const Box& file_box, std::size_t element_size,
+                                const std::byte* bytes, bool whole_dataset, const std::string& what,
+                                const std::function<void(const Box&)>& after_run = {});
 
 inline std::string_view placement_name(Placement placement) {
   return placement == Placement::sharded ? "sharded" : "replicated";
