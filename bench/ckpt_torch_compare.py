@@ -1,11 +1,18 @@
 #!/usr/bin/python3
 """Reference figures for the checkpoint benchmark, measured in the same run as ours:
-torch.save per rank and torch.distributed.checkpoint (DCP), N ranks (processes, gloo), each
-saving MIB MiB of float32 tensors to DIR, fsynced. Prints one line per measure:
+torch.save/torch.load per rank and torch.distributed.checkpoint (DCP) save/load, N ranks
+(processes, gloo), each saving MIB MiB of float32 tensors to DIR, fsynced. Loads read from the
+page cache, like ours in ckpt_bench. Prints one line per measure:
     <measure>\t<seconds>\t<GB/s>
+Debian's torch 1.13 ships DCP as torch.distributed._shard.checkpoint, and its metadata module
+does not import under Python 3.11 (a dataclass field with an instance default, rejected since
+3.11). lenient_dataclass_defaults() turns such defaults into default_factory copies, which is
+what 3.11 asks for, so the reference can run unchanged.
 Usage: ckpt_torch_compare.py DIR [--ranks 4] [--mib-per-rank 256] [--tensors 16]
 Needs Debian's python3-torch (run with /usr/bin/python3)."""
 import argparse
+import copy
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -14,6 +21,24 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def lenient_dataclass_defaults():
+    original = dataclasses._get_field
+
+    def get_field(cls, name, annotation, *rest):
+        try:
+            return original(cls, name, annotation, *rest)
+        except ValueError as e:
+            declared = cls.__dict__.get(name)
+            if "mutable default" not in str(e) or not isinstance(declared, dataclasses.Field):
+                raise
+            value = declared.default
+            declared.default = dataclasses.MISSING
+            declared.default_factory = lambda: copy.deepcopy(value)
+            return original(cls, name, annotation, *rest)
+
+    dataclasses._get_field = get_field
 
 
 def fsync_tree(path):
@@ -46,27 +71,57 @@ def worker(rank, world, args, init_file, results):
     dist.barrier()
     t_save = time.perf_counter() - t0
 
-    t_dcp = None
+    dist.barrier()
+    t0 = time.perf_counter()
+    loaded = torch.load(path)
+    dist.barrier()
+    t_load = time.perf_counter() - t0
+    del loaded
+
+    t_dcp = t_dcp_load = None
     try:
+        lenient_dataclass_defaults()
         try:
             import torch.distributed.checkpoint as dcp
         except ImportError:  # 1.13 ships it as a prototype under _shard
             import torch.distributed._shard.checkpoint as dcp
+        from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+        # 1.13's default planner writes plain tensors from the coordinator only (it treats them
+        # as replicated), so every rank's data goes in as one shard of a ShardedTensor: tensor i
+        # is [world * n] elements, rank r holds [r * n, (r + 1) * n), like ckpt_bench's layout.
+        def sharded(local):
+            n = local.numel()
+            return init_from_local_shards([Shard.from_tensor_and_offsets(local, [rank * n], rank)], world * n)
+
+        dcp_state = {f"t{i}": sharded(state[f"rank{rank}.t{i}"]) for i in range(args.tensors)}
         dcp_dir = os.path.join(args.dir, "dcp")
         dist.barrier()
         t0 = time.perf_counter()
-        dcp.save_state_dict(state_dict=state, storage_writer=dcp.FileSystemWriter(dcp_dir))
+        dcp.save_state_dict(state_dict=dcp_state, storage_writer=dcp.FileSystemWriter(dcp_dir))
         if rank == 0:
             fsync_tree(dcp_dir)
         dist.barrier()
         t_dcp = time.perf_counter() - t0
+        target = {name: sharded(torch.empty(per_tensor)) for name in dcp_state}
+        dist.barrier()
+        t0 = time.perf_counter()
+        dcp.load_state_dict(state_dict=target, storage_reader=dcp.FileSystemReader(dcp_dir))
+        dist.barrier()
+        t_dcp_load = time.perf_counter() - t0
+        for i in range(args.tensors):
+            if not torch.equal(target[f"t{i}"].local_tensor(), state[f"rank{rank}.t{i}"]):
+                raise RuntimeError(f"DCP load returned different values for t{i}")
     except Exception as e:  # DCP is a prototype in 1.13; report rather than fail
         if rank == 0:
             print(f"# DCP unavailable: {e}", flush=True)
     if rank == 0:
         results.put(("torch.save per rank", t_save, nbytes / t_save / 1e9))
+        results.put(("torch.load per rank", t_load, nbytes / t_load / 1e9))
         if t_dcp:
-            results.put(("torch.distributed.checkpoint", t_dcp, nbytes / t_dcp / 1e9))
+            results.put(("torch.distributed.checkpoint save", t_dcp, nbytes / t_dcp / 1e9))
+        if t_dcp_load:
+            results.put(("torch.distributed.checkpoint load", t_dcp_load, nbytes / t_dcp_load / 1e9))
     dist.destroy_process_group()
 
 

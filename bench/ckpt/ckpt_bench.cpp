@@ -1,7 +1,10 @@
 // Checkpoint bandwidth vs the storage limit (dd conv=fdatasync), peak extra memory during save
 // (VmHWM delta vs the shard size) and async blocking time vs sync, measured in the same run.
 // Prints figures and ratios against the goals; never asserts. Single process or `mpirun -np N`.
-//   ckpt_bench [--dir DIR] [--mib-per-rank N] [--tensors K]
+//   ckpt_bench [--dir DIR] [--mib-per-rank N] [--tensors K] [--reference FILE]
+// FILE: figures of the reference tools measured in the same run on the same data size
+// (bench/ckpt_torch_compare.py output, "<measure>\t<seconds>\t<GB/s>" lines); the summary then
+// puts our save and load bandwidth beside theirs.
 #include <mpi.h>
 #include <unistd.h>
 
@@ -11,6 +14,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -88,6 +93,21 @@ double dd_write(const fs::path& file, std::uint64_t mib, std::optional<std::uint
 
 }  // namespace
 
+// "<measure>\t<seconds>\t<GB/s>" lines (comments start with #) -> measure -> bytes/s.
+static std::vector<std::pair<std::string, double>> read_references(const fs::path& file) {
+  std::vector<std::pair<std::string, double>> references;
+  if (file.empty()) return references;
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) {
+    const auto first = line.find('\t');
+    const auto second = line.find('\t', first == std::string::npos ? first : first + 1);
+    if (line.empty() || line[0] == '#' || second == std::string::npos) continue;
+    const double gbs = std::strtod(line.c_str() + second + 1, nullptr);
+    if (gbs > 0) references.emplace_back(line.substr(0, first), gbs * 1e9);
+  }
+  return references;
+}
+
 int main(int argc, char** argv) {
   // Ranks waiting in a collective yield the CPU instead of spinning: with more ranks than cores
   // (4 ranks on 2 cores here) spinning ranks would otherwise slow the ones still working and the
@@ -98,11 +118,13 @@ int main(int argc, char** argv) {
   fs::path dir = "/work/tmp/ckpt-bench";
   std::uint64_t mib_per_rank = 256;
   int tensor_count = 8;
+  fs::path reference_file;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--dir") dir = argv[i + 1];
     else if (flag == "--mib-per-rank") mib_per_rank = std::stoull(argv[i + 1]);
     else if (flag == "--tensors") tensor_count = std::stoi(argv[i + 1]);
+    else if (flag == "--reference") reference_file = argv[i + 1];
   }
   MpiCommunicator comm(MPI_COMM_WORLD);
   const int rank = comm.rank();
@@ -292,6 +314,16 @@ int main(int argc, char** argv) {
                async_total / save_secs);
     fmt::print("{:<44} {:>8.2f}   (snapshot time / plain memcpy of the shard)\n",
                "async blocked / memcpy floor", blocked / copy_secs);
+    if (const auto references = read_references(reference_file); !references.empty()) {
+      const double save_rate = total_bytes / save_secs;
+      for (const auto& [name, rate] : references) {
+        const bool is_load = name.find("load") != std::string::npos;
+        const double ours = is_load ? load_rate[0] : save_rate;
+        fmt::print("{:<44} {:>8.2f}   ({:.2f} vs {:.2f} GB/s; ours: {})\n",
+                   fmt::format("{} / {}", is_load ? "load" : "save", name), ours / rate, ours / 1e9,
+                   rate / 1e9, is_load ? "verified load" : "file-per-rank save, median");
+      }
+    }
     if (peak_ok) {
       line("peak extra RSS / shard, sync file-per-rank", save_extra / shard_bytes, "<= 1.10", save_extra / shard_bytes <= 1.1);
       line("peak extra RSS / shard, sync shared-file", shared_extra / shard_bytes, "<= 1.10", shared_extra / shard_bytes <= 1.1);
