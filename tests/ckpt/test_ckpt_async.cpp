@@ -76,6 +76,36 @@ TEST(CkptAsync, AsyncSaveEqualsSyncSaveAndSnapshotsBeforeReturning) {
   EXPECT_EQ(step8.at("model/bias"), std::vector<std::byte>(10, std::byte{0x77}));
 }
 
+TEST(CkptAsync, StagingGrowsWhenTheStateGrowsAndOddSizesKeepTheirBytes) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  AsyncSaver saver(dir.path(), comm);
+  // Odd byte counts: every staged piece after the first starts at a padded offset.
+  std::vector<std::uint8_t> small(3, 1);
+  std::vector<double> medium(5, 2.5);
+  std::vector<std::int16_t> large(300'000);
+  for (std::size_t i = 0; i < large.size(); ++i) large[i] = static_cast<std::int16_t>(i * 7);
+  std::vector<TensorView> views = {
+      TensorView::replicated("small", DType::uint8, {3}, small.data()),
+      TensorView::replicated("medium", DType::float64, {5}, medium.data())};
+  saver.save(1, views, {});
+  ASSERT_NO_THROW(saver.wait());
+  views.push_back(TensorView::replicated("large", DType::int16, {large.size()}, large.data()));
+  saver.save(2, views, {});  // larger than the first arena: a new one
+  std::fill(large.begin(), large.end(), std::int16_t{0});
+  ASSERT_NO_THROW(saver.wait());
+  const auto step2 = read_everything(dir.path() / "step-000000002");
+  std::vector<std::int16_t> expected(300'000);
+  for (std::size_t i = 0; i < expected.size(); ++i) expected[i] = static_cast<std::int16_t>(i * 7);
+  const auto& stored = step2.at("large");
+  ASSERT_EQ(stored.size(), expected.size() * sizeof(std::int16_t));
+  EXPECT_EQ(std::memcmp(stored.data(), expected.data(), stored.size()), 0);
+  EXPECT_EQ(step2.at("small"), std::vector<std::byte>(3, std::byte{1}));
+  const auto& medium_bytes = step2.at("medium");
+  ASSERT_EQ(medium_bytes.size(), 5 * sizeof(double));
+  EXPECT_EQ(std::memcmp(medium_bytes.data(), medium.data(), medium_bytes.size()), 0);
+}
+
 TEST(CkptAsync, ErrorsSurfaceOnNextCallAndAreNotLost) {
   TempDir dir;
   const fs::path not_a_directory = dir.path() / "file";

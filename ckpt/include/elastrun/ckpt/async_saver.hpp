@@ -1,7 +1,8 @@
 #pragma once
-// Asynchronous save: training blocks only while tensors are copied into host staging buffers
-// (allocated once per tensor and reused: first touch of fresh memory is slow), a background
-// thread then runs save_checkpoint. One save in flight; errors are never dropped.
+// Asynchronous save: training blocks only while tensors are copied into a host staging arena
+// (one mapping, reused while the state does not grow: first touch of fresh memory is slow; huge
+// pages asked for: fewer TLB misses during the copy), a background thread then runs
+// save_checkpoint. One save in flight; errors are never dropped.
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -13,6 +14,12 @@
 #include "elastrun/ckpt/checkpoint.hpp"
 
 namespace elastrun::ckpt {
+namespace detail {
+struct Unmap {  // deleter of an anonymous mapping of `length` bytes
+  std::size_t length = 0;
+  void operator()(std::byte* mapping) const noexcept;
+};
+}  // namespace detail
 
 class AsyncSaver {
  public:
@@ -39,17 +46,15 @@ class AsyncSaver {
     std::map<std::string, std::uint64_t> fingerprints;  // replicated tensors, whole-tensor
     std::optional<std::string> error;  // this rank's snapshot failed: vote no in every round
   };
-  struct Staging {
-    std::unique_ptr<std::byte[]> bytes;
-    std::size_t capacity = 0;
-  };
+  // Grows (never shrinks) the staging arena to at least `bytes`; throws std::bad_alloc.
+  std::byte* staging_arena(std::size_t bytes);
   void run(std::stop_token stop);
   void wait_idle(std::unique_lock<std::mutex>& lock);
 
   std::filesystem::path root_;
   Communicator& comm_;
   SaveOptions options_;
-  std::map<std::string, Staging> staging_;
+  std::unique_ptr<std::byte[], detail::Unmap> staging_;  // anonymous mapping, staging_.get_deleter().length bytes
   std::vector<std::byte> gather_scratch_;  // replicated pieces not contiguous in the source
   mutable std::mutex mutex_;
   std::condition_variable_any changed_;
