@@ -2,15 +2,26 @@
 
 #include <fmt/format.h>
 
+#include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
+#include <functional>
 #include <new>
+#include <string_view>
 
+#include "h5.hpp"
 #include "internal.hpp"
 #include "writers.hpp"
 
 namespace elastrun::ckpt {
+namespace fs = std::filesystem;
 namespace {
 // Each staged piece starts on a cache line (and so keeps any dtype's alignment).
 constexpr std::size_t kStagingAlignment = 64;
@@ -60,6 +71,115 @@ std::optional<SaveResult> AsyncSaver::wait() {
   return std::exchange(last_result_, std::nullopt);
 }
 
+// The forked shard writer. Protocol over a socket pair, length-prefixed frames (other children
+// of this process may hold copies of the descriptors, so end-of-file cannot mark a message's
+// end): the writer thread sends the temporary step directory; the child writes and fsyncs its
+// shard file there, replies with its report (or "!<error>") and exits. Everything the child
+// needs was decided before fork(); it runs with every signal blocked (a SIGTERM meant for
+// training must not kill a half-written save: the parent decides) and dies with the writer
+// thread (PR_SET_PDEATHSIG).
+struct AsyncSaver::SnapshotProcess {
+  pid_t pid = -1;
+  int socket = -1;  // the parent's end
+  bool reaped = false;
+
+  SnapshotProcess() = default;
+  SnapshotProcess(const SnapshotProcess&) = delete;
+  SnapshotProcess& operator=(const SnapshotProcess&) = delete;
+  ~SnapshotProcess() {
+    if (socket >= 0) ::close(socket);
+    if (pid > 0 && !reaped) {
+      ::kill(pid, SIGKILL);  // e.g. the save failed before the child was told where to write
+      while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+      }
+    }
+  }
+
+  // MSG_NOSIGNAL: a dead peer is an error to report, not a SIGPIPE for the whole process.
+  static bool send_frame(int fd, std::string_view text) noexcept {
+    const std::uint64_t length = text.size();
+    std::string frame(reinterpret_cast<const char*>(&length), sizeof length);
+    frame.append(text);
+    std::string_view rest = frame;
+    while (!rest.empty()) {
+      const ssize_t n = ::send(fd, rest.data(), rest.size(), MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      rest.remove_prefix(static_cast<std::size_t>(n));
+    }
+    return true;
+  }
+
+  static bool receive_exactly(int fd, char* into, std::size_t size) {
+    while (size > 0) {
+      const ssize_t n = ::recv(fd, into, size, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      into += n;
+      size -= static_cast<std::size_t>(n);
+    }
+    return true;
+  }
+
+  // nullopt: the peer closed (or died) before a whole frame arrived.
+  static std::optional<std::string> receive_frame(int fd) {
+    std::uint64_t length = 0;
+    if (!receive_exactly(fd, reinterpret_cast<char*>(&length), sizeof length)) return std::nullopt;
+    if (length > (std::uint64_t{1} << 32)) return std::nullopt;
+    std::string text(length, '\0');
+    if (!receive_exactly(fd, text.data(), text.size())) return std::nullopt;
+    return text;
+  }
+
+  // In the child, never returns. `write` gets the directory and returns the reply text.
+  [[noreturn]] static void child_main(int fd, pid_t parent,
+                                      const std::function<std::string(const fs::path&)>& write) noexcept {
+    sigset_t all;
+    ::sigfillset(&all);
+    ::pthread_sigmask(SIG_SETMASK, &all, nullptr);
+    if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) ::_exit(3);
+    std::string reply;
+    try {
+      const std::optional<std::string> directory = receive_frame(fd);
+      if (!directory || directory->empty()) ::_exit(0);  // the save failed before the shard was needed
+      reply = write(*directory);
+    } catch (const std::exception& e) {
+      reply = std::string("!") + e.what();
+    } catch (...) {
+      reply = "!unknown error in the snapshot writer process";
+    }
+    // _exit: no atexit handlers, no static destructors (MPI, torch, HDF5 belong to the parent).
+    ::_exit(send_frame(fd, reply) ? 0 : 4);
+  }
+
+  // Writer thread: hand the child its directory, collect its report, reap it.
+  nlohmann::json write_shard(const fs::path& directory, std::uint64_t& bytes_written, int rank) {
+    std::optional<std::string> reply;
+    if (send_frame(socket, directory.string())) reply = receive_frame(socket);
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0) {
+      if (errno != EINTR) {
+        throw CheckpointError(fmt::format("rank {}: waitpid for snapshot writer process {}: {}", rank,
+                                          pid, std::strerror(errno)));
+      }
+    }
+    reaped = true;
+    if (WIFSIGNALED(status)) {
+      throw CheckpointError(fmt::format("rank {}: snapshot writer process {} killed by signal {} "
+                                        "while writing {}", rank, pid, WTERMSIG(status), directory.string()));
+    }
+    if (!reply || reply->empty() || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      throw CheckpointError(fmt::format("rank {}: snapshot writer process {} exited with status {} "
+                                        "without a report for {}", rank, pid,
+                                        WIFEXITED(status) ? WEXITSTATUS(status) : -1, directory.string()));
+    }
+    if ((*reply)[0] == '!') throw CheckpointError(reply->substr(1));
+    nlohmann::json answer = nlohmann::json::parse(*reply);
+    bytes_written += answer.at("bytes").get<std::uint64_t>();
+    return std::move(answer.at("report"));
+  }
+};
+
 void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
                       nlohmann::json metadata) {
   std::unique_lock lock(mutex_);
@@ -68,14 +188,13 @@ void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
   Job job;
   job.step = step;
   job.metadata = std::move(metadata);
-  static const std::byte no_piece{};  // non-null data for ranks that write none of a tensor
+  job.views.assign(tensors.begin(), tensors.end());
   try {
     detail::validate_tensors(tensors);
   } catch (const CheckpointError&) {
     // Not thrown here: the other ranks' writers are about to wait for this rank's vote. The
     // writer thread re-validates (before touching any data), votes no, and every rank gets
     // the error from wait() or the next save().
-    job.views.assign(tensors.begin(), tensors.end());
     pending_ = std::move(job);
     in_flight_ = true;
     changed_.notify_all();
@@ -85,38 +204,98 @@ void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
     detail::fault_point("async.snapshot", comm_.rank());
     // Replicated tensors' fingerprints come from the whole tensors, which are not staged.
     job.fingerprints = detail::replica_fingerprints(tensors, options_.check_replicas);
+  } catch (const std::exception& e) {
+    job.error = fmt::format("rank {}: snapshot for step {} failed: {}", comm_.rank(), step, e.what());
+  }
+  if (!job.error && options_.async_snapshot == AsyncSnapshot::fork &&
+      options_.layout == Layout::file_per_rank) {
+    // fork() from the writer thread, which outlives the child (PR_SET_PDEATHSIG follows the
+    // forking thread, and this caller's thread may end first); this thread waits meanwhile, so
+    // the tensors cannot change before the address space is copied.
+    job.fork_requested = true;
+    fork_done_ = false;
+    pending_ = std::move(job);
+    in_flight_ = true;
+    changed_.notify_all();
+    changed_.wait(lock, [&] { return fork_done_; });
+    return;
+  }
+  if (!job.error) stage_copy(job);
+  pending_ = std::move(job);
+  in_flight_ = true;
+  changed_.notify_all();
+}
+
+void AsyncSaver::stage_copy(Job& job) {
+  static const std::byte no_piece{};  // non-null data for ranks that write none of a tensor
+  try {
     // Only the bytes this rank will write: its slice, or its piece of a replicated tensor.
     std::vector<std::optional<detail::Box>> pieces;
     std::vector<std::size_t> offsets;
     std::size_t total = 0;
-    for (const auto& tensor : tensors) {
+    for (const auto& tensor : job.views) {
       const auto& piece = pieces.emplace_back(detail::rank_piece(tensor, comm_.rank(), comm_.size()));
       offsets.push_back(total);
       const std::size_t bytes = piece ? element_count(piece->extent) * dtype_size(tensor.dtype) : 0;
       total += (bytes + kStagingAlignment - 1) / kStagingAlignment * kStagingAlignment;
     }
     std::byte* arena = total > 0 ? staging_arena(total) : nullptr;
-    for (std::size_t i = 0; i < tensors.size(); ++i) {
-      const TensorView& tensor = tensors[i];
+    for (std::size_t i = 0; i < job.views.size(); ++i) {
+      TensorView& view = job.views[i];
       const auto& piece = pieces[i];
-      const std::size_t bytes = piece ? element_count(piece->extent) * dtype_size(tensor.dtype) : 0;
-      TensorView copy = tensor;
-      copy.data = bytes > 0 ? arena + offsets[i] : &no_piece;
+      const std::size_t bytes = piece ? element_count(piece->extent) * dtype_size(view.dtype) : 0;
       if (bytes > 0) {
-        std::memcpy(arena + offsets[i], detail::piece_data(tensor, *piece, gather_scratch_), bytes);
+        std::memcpy(arena + offsets[i], detail::piece_data(view, *piece, gather_scratch_), bytes);
       }
-      job.views.push_back(std::move(copy));
+      view.data = bytes > 0 ? arena + offsets[i] : &no_piece;
     }
+    job.staged = true;
   } catch (const std::exception& e) {
-    // E.g. out of memory for the staging buffers. Not thrown here either: the other ranks'
-    // writers wait for this rank's votes, so the writer thread votes no with this error.
+    // E.g. out of memory for the staging arena. Not thrown: the other ranks' writers wait for
+    // this rank's votes, so the writer thread votes no with this error.
     job.views.clear();
     job.fingerprints.clear();
-    job.error = fmt::format("rank {}: snapshot for step {} failed: {}", comm_.rank(), step, e.what());
+    job.error = fmt::format("rank {}: snapshot for step {} failed: {}", comm_.rank(), job.step, e.what());
   }
-  pending_ = std::move(job);
-  in_flight_ = true;
-  changed_.notify_all();
+}
+
+void AsyncSaver::take_fork_snapshot(Job& job) {
+  int ends[2] = {-1, -1};
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0) {
+    stage_copy(job);  // no descriptors left: copy instead, same result
+    return;
+  }
+  auto writer = std::make_shared<SnapshotProcess>();
+  writer->socket = ends[0];
+  const int rank = comm_.rank();
+  const int world = comm_.size();
+  const pid_t parent = ::getpid();
+  // The child writes through HDF5 (under the library mutex): hold the mutex across fork() so no
+  // other thread of this process is inside HDF5 at that moment (the child could not recover);
+  // the child then starts with a fresh mutex.
+  pid_t pid = -1;
+  {
+    h5::Lock h5_lock(h5::library_mutex());
+    pid = ::fork();
+    if (pid == 0) {
+      h5::reinitialize_library_mutex_in_child();  // h5_lock is never released in the child
+      const std::function<std::string(const fs::path&)> write_shard = [&](const fs::path& directory) {
+        detail::fault_point("async.fork_child", rank);
+        std::uint64_t bytes = 0;
+        nlohmann::json report = detail::write_shard_file(directory, job.step, job.views, rank, world,
+                                                         options_, detail::PieceSource::whole_tensor, bytes);
+        return nlohmann::json{{"report", std::move(report)}, {"bytes", bytes}}.dump();
+      };
+      SnapshotProcess::child_main(ends[1], parent, write_shard);
+    }
+  }
+  ::close(ends[1]);
+  if (pid < 0) {
+    stage_copy(job);  // e.g. EAGAIN/ENOMEM: copy instead, same result
+    return;
+  }
+  writer->pid = pid;
+  job.writer = std::move(writer);
 }
 
 void AsyncSaver::run(std::stop_token stop) {
@@ -126,19 +305,31 @@ void AsyncSaver::run(std::stop_token stop) {
     if (!pending_) return;  // stop requested while idle
     Job job = std::move(*pending_);
     pending_.reset();
+    if (job.fork_requested) {
+      take_fork_snapshot(job);
+      fork_done_ = true;
+      changed_.notify_all();
+    }
     lock.unlock();
     std::exception_ptr error;
     std::optional<SaveResult> result;
     try {
       detail::SaveInputs inputs;
-      inputs.source = detail::PieceSource::rank_piece_only;
+      // Staged views hold only this rank's pieces; the others are the caller's whole tensors.
+      inputs.source = job.staged ? detail::PieceSource::rank_piece_only : detail::PieceSource::whole_tensor;
       inputs.local_error = job.error ? &*job.error : nullptr;
       inputs.fingerprints = &job.fingerprints;
+      if (job.writer) {
+        inputs.write_shard = [&](const fs::path& directory, std::uint64_t& bytes_written) {
+          return job.writer->write_shard(directory, bytes_written, comm_.rank());
+        };
+      }
       result = detail::save_checkpoint_from(root_, job.step, job.views, job.metadata, comm_,
                                             options_, inputs);
     } catch (...) {
       error = std::current_exception();
     }
+    job.writer.reset();  // reaps the child if the save failed before it was told to write
     lock.lock();
     error_ = error;
     last_result_ = std::move(result);

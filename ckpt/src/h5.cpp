@@ -1,5 +1,7 @@
 #include "h5.hpp"
 
+#include <pthread.h>
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -15,6 +17,14 @@ std::recursive_mutex& library_mutex() {
   }();
   (void)silenced;
   return mutex;
+}
+
+void reinitialize_library_mutex_in_child() noexcept {
+  pthread_mutexattr_t attributes;
+  ::pthread_mutexattr_init(&attributes);
+  ::pthread_mutexattr_settype(&attributes, PTHREAD_MUTEX_RECURSIVE);
+  ::pthread_mutex_init(library_mutex().native_handle(), &attributes);
+  ::pthread_mutexattr_destroy(&attributes);
 }
 
 namespace {

@@ -19,6 +19,10 @@ namespace elastrun::ckpt::h5 {
 // Communicator call.
 std::recursive_mutex& library_mutex();
 using Lock = std::lock_guard<std::recursive_mutex>;
+// In a fork() child only (single-threaded), when the forking thread held the lock: makes it a
+// fresh, unlocked mutex. (A recursive mutex records its owner's kernel thread id, which differs
+// in the child, so the child could neither re-lock nor unlock the inherited one.)
+void reinitialize_library_mutex_in_child() noexcept;
 
 // Owns one hid_t; closes it with the matching H5?close.
 class Handle {

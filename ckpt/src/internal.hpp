@@ -68,7 +68,9 @@ std::optional<std::uint64_t> checked_element_count(const Shape& shape);
 // Test hooks. fault_point(name, rank) calls the installed hook (if any) at named points of the
 // save protocol; a hook throws to simulate a failure there, or _exit()s to simulate a crash.
 using FaultHook = std::function<void(std::string_view point, int rank)>;
-void set_fault_hook(FaultHook hook);  // not thread-safe: install before the ranks start
+// Thread-safe (the background remover calls fault_point too); a hook may still be running on
+// another thread after it was replaced, so drain that work before its captures go away.
+void set_fault_hook(FaultHook hook);
 void fault_point(std::string_view point, int rank);
 // Tests: pretend the filesystem lacks renameat2(RENAME_EXCHANGE) (use the two-rename fallback).
 void set_rename_exchange_disabled(bool disabled);
@@ -88,6 +90,23 @@ bool is_partial_name(std::string_view name);
 std::string shard_file_name(int rank, int world_size);
 // Random hex token distinguishing one save attempt's temporary names.
 std::string generation_token();
+
+// Background removal (remover.cpp): deleting a retired step's files can take rank 0 a large part
+// of a second (ext4 with `discard`, Lustre) while every rank waits for its commit broadcast, so
+// a process-wide worker thread deletes them after the save returns.
+// Queues `doomed` for recursive removal. It must already carry a name readers ignore
+// (is_partial_name, e.g. "step-<n>.deleting-<gen>"): rename it synchronously first, so no
+// listing or restore ever sees a half-deleted step. Errors are ignored; a leftover (process
+// killed first) keeps its partial name and the next save's remove_partial_directories removes
+// it. At normal process exit the queued removals are finished. Never throws (falls back to
+// removing synchronously). In a process forked from the one that started the worker, removes
+// synchronously.
+void remove_in_background(const std::filesystem::path& doomed);
+// True while `path` is queued or being removed by this process's worker (compared lexically
+// after making it absolute).
+bool removal_pending(const std::filesystem::path& path);
+// Blocks until every queued removal is done (tests; also run at process exit).
+void wait_for_background_removals();
 
 // fsync a file or directory; throws CheckpointError naming the path.
 void fsync_path(const std::filesystem::path& path, bool directory);

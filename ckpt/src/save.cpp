@@ -24,11 +24,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using detail::Box;
 
-namespace {
-
-std::string_view placement_name(Placement placement) { return detail::placement_name(placement); }
-
-}  // namespace
 
 std::optional<Box> detail::rank_piece(const TensorView& t, int rank, int world) {
   if (t.placement == Placement::sharded) {
@@ -162,15 +157,11 @@ std::uint64_t detail::write_hashed_runs(hid_t dataset, hid_t type, const Box& fi
   return stream.digest();
 }
 
-// Writes this rank's shard file and returns its report for the vote.
-namespace {
-
-json write_shard(const fs::path& directory, std::uint64_t step, std::span<const TensorView> tensors,
-                 Communicator& comm, const SaveOptions& options, detail::PieceSource source,
-                 std::uint64_t& bytes_written) {
+json detail::write_shard_file(const fs::path& directory, std::uint64_t step,
+                             std::span<const TensorView> tensors, int rank, int world,
+                             const SaveOptions& options, PieceSource source,
+                             std::uint64_t& bytes_written) {
   detail::validate_tensors(tensors);
-  const int rank = comm.rank();
-  const int world = comm.size();
   const std::string file_name = detail::shard_file_name(rank, world);
   const fs::path file_path = directory / file_name;
   json report = {{"rank", rank}, {"file", file_name}, {"tensors", json::array()}};
@@ -231,6 +222,8 @@ json write_shard(const fs::path& directory, std::uint64_t step, std::span<const 
   report["file_bytes"] = static_cast<std::uint64_t>(fs::file_size(file_path));
   return report;
 }
+
+namespace {
 
 // Rank 0: combine the ranks' reports into the manifest, checking that they agree and that
 // every tensor is covered exactly once.
@@ -539,9 +532,15 @@ std::vector<std::string> commit(const fs::path& root, const fs::path& temporary,
   });
   if (!replaced.empty()) {
     attempt("removing the replaced copy", [&] {
-      std::error_code ec;
-      fs::remove_all(replaced, ec);
-      if (ec) throw CheckpointError(fmt::format("remove {}: {}", replaced.string(), ec.message()));
+      // Renamed first, synchronously: list_steps() takes "step-<n>.replaced-<gen>" for step n
+      // when step-<n> is missing, so it must not be deleted file by file under that name. A
+      // ".deleting-" name is ignored by every reader; the deletion itself (slow: ext4 with
+      // `discard`, Lustre) happens in the background, off every rank's wait for round 3. If the
+      // rename fails (a warning), the housekeeping after this commit removes the copy.
+      const fs::path doomed =
+          root / (detail::step_name(step) + ".deleting-" + detail::generation_token());
+      detail::rename_path(replaced, doomed);
+      detail::remove_in_background(doomed);
     });
   }
   return warnings;
@@ -611,8 +610,10 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
                                          result.bytes_written, inputs.local_error);
     } else {
       if (inputs.local_error) throw CheckpointError(*inputs.local_error);
-      report = write_shard(temporary, step, tensors, comm, options, inputs.source,
-                           result.bytes_written);
+      report = inputs.write_shard
+                   ? inputs.write_shard(temporary, result.bytes_written)
+                   : detail::write_shard_file(temporary, step, tensors, comm.rank(), comm.size(),
+                                              options, inputs.source, result.bytes_written);
     }
     if (fingerprints != nullptr && !fingerprints->empty()) report["fingerprints"] = *fingerprints;
     vote = report.dump();
@@ -717,7 +718,12 @@ void remove_partial_directories(const fs::path& root) {
   for (const auto& [from, to] : restore) {
     if (::rename(from.c_str(), to.c_str()) != 0) continue;  // retried by the next save
   }
-  for (const auto& path : stale) fs::remove_all(path, ec);
+  for (const auto& path : stale) {
+    // Being removed by this process's background remover (an earlier save retired it): not a
+    // crash leftover, leave it to that thread. The rest are rare leftovers of a killed process.
+    if (detail::removal_pending(path)) continue;
+    fs::remove_all(path, ec);
+  }
 }
 
 void apply_retention(const fs::path& root, std::uint64_t committed, int keep_last,
@@ -745,8 +751,9 @@ void apply_retention(const fs::path& root, std::uint64_t committed, int keep_las
     const fs::path doomed =
         root / (detail::step_name(older[i].step) + ".deleting-" + detail::generation_token());
     detail::rename_path(older[i].path, doomed);
-    std::error_code ec;
-    fs::remove_all(doomed, ec);
+    // The deletion itself is slow (ext4 with `discard`, Lustre) and every rank waits for rank 0
+    // here: a background thread does it. Killed first, the next save removes the leftover.
+    detail::remove_in_background(doomed);
   }
 }
 

@@ -1,10 +1,13 @@
 #include <fcntl.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
 #include <new>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <random>
 
 #include <fmt/format.h>
@@ -176,16 +179,38 @@ std::optional<std::uint64_t> checked_element_count(const Shape& shape) {
 }
 
 namespace {
-FaultHook& fault_hook() {
-  static FaultHook hook;
-  return hook;
-}
+// The background remover calls fault_point from its own thread, so the hook is swapped as a
+// whole under a mutex and called through a copy of the pointer. Constant-initialized
+// namespace-scope objects: they outlive the remover's function-local static, which still calls
+// fault_point while it drains at exit. hook_installed keeps the mutex off the path when no hook
+// is set (always, outside tests).
+std::mutex fault_hook_mutex;
+std::shared_ptr<const FaultHook> fault_hook;
+std::atomic<bool> hook_installed{false};
+// A test hook is also called in forked children (AsyncSaver's snapshot writer): fork() must not
+// copy the mutex while another thread (another rank, the remover) holds it, or the child's
+// fault_point would block forever. It is held only to copy or swap the pointer.
+[[maybe_unused]] const int fault_hook_fork_handlers =
+    ::pthread_atfork([] { fault_hook_mutex.lock(); }, [] { fault_hook_mutex.unlock(); },
+                     [] { fault_hook_mutex.unlock(); });
 std::atomic<bool> exchange_disabled{false};
 }  // namespace
 
-void set_fault_hook(FaultHook hook) { fault_hook() = std::move(hook); }
+void set_fault_hook(FaultHook hook) {
+  std::shared_ptr<const FaultHook> next;
+  if (hook) next = std::make_shared<const FaultHook>(std::move(hook));
+  std::lock_guard lock(fault_hook_mutex);
+  hook_installed = next != nullptr;
+  fault_hook.swap(next);
+}  // the old hook is destroyed here, outside the lock, unless a caller still runs it
 void fault_point(std::string_view point, int rank) {
-  if (const FaultHook& hook = fault_hook()) hook(point, rank);
+  if (!hook_installed) return;
+  std::shared_ptr<const FaultHook> hook;
+  {
+    std::lock_guard lock(fault_hook_mutex);
+    hook = fault_hook;
+  }
+  if (hook) (*hook)(point, rank);
 }
 void set_rename_exchange_disabled(bool disabled) { exchange_disabled = disabled; }
 bool rename_exchange_disabled() { return exchange_disabled; }

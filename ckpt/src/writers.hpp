@@ -45,7 +45,19 @@ struct SaveInputs {
   // Replicated tensors' fingerprints (name -> hash), computed from the whole tensors by the
   // caller when the views hold only this rank's piece (rank_piece_only).
   const std::map<std::string, std::uint64_t>* fingerprints = nullptr;
+  // File-per-rank layout: writes this rank's shard into the temporary step directory instead of
+  // write_shard_file (AsyncSaver's fork snapshot: a child process writes it). Returns the report.
+  std::function<nlohmann::json(const std::filesystem::path& directory, std::uint64_t& bytes_written)>
+      write_shard;
 };
+
+// File-per-rank layout: writes rank `rank`'s shard file into `directory`, fsynced unless
+// options.fsync is off, and returns its report for the vote. Uses no communicator (it also runs
+// in AsyncSaver's forked snapshot writer).
+nlohmann::json write_shard_file(const std::filesystem::path& directory, std::uint64_t step,
+                                std::span<const TensorView> tensors, int rank, int world,
+                                const SaveOptions& options, PieceSource source,
+                                std::uint64_t& bytes_written);
 
 SaveResult save_checkpoint_from(const std::filesystem::path& root, std::uint64_t step,
                                 std::span<const TensorView> tensors,

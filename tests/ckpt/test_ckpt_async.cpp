@@ -1,6 +1,10 @@
 // AsyncSaver: same bytes as a synchronous save, snapshot semantics, errors surface.
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
+#include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <atomic>
@@ -8,6 +12,7 @@
 
 #include "elastrun/ckpt/async_saver.hpp"
 #include "elastrun/ckpt/safetensors.hpp"
+#include "fault_hook_guard.hpp"
 #include "test_support.hpp"
 
 namespace elastrun::ckpt {
@@ -30,7 +35,10 @@ std::map<std::string, std::vector<std::byte>> read_everything(const fs::path& st
   return out;
 }
 
-TEST(CkptAsync, AsyncSaveEqualsSyncSaveAndSnapshotsBeforeReturning) {
+// Every child process a test started has been reaped.
+bool no_unreaped_children() { return ::waitpid(-1, nullptr, WNOHANG) < 0 && errno == ECHILD; }
+
+void check_async_equals_sync(const SaveOptions& options) {
   TempDir sync_dir;
   TempDir async_dir;
   const auto model = testing::world4_model(900);
@@ -49,7 +57,7 @@ TEST(CkptAsync, AsyncSaveEqualsSyncSaveAndSnapshotsBeforeReturning) {
                                                 slices.back().data())
                           : TensorView::replicated(t.name, t.dtype, t.shape, slices.back().data()));
     }
-    AsyncSaver saver(async_dir.path(), comm);
+    AsyncSaver saver(async_dir.path(), comm, options);
     saver.save(7, views, {{"step_meta", 7}});
     for (auto& s : slices) std::fill(s.begin(), s.end(), std::byte{0x77});
     const auto result = saver.wait();
@@ -74,6 +82,74 @@ TEST(CkptAsync, AsyncSaveEqualsSyncSaveAndSnapshotsBeforeReturning) {
   // Step 8 holds the scribbled bytes: the snapshot happens at save(), not before.
   const auto step8 = read_everything(async_dir.path() / "step-000000008");
   EXPECT_EQ(step8.at("model/bias"), std::vector<std::byte>(10, std::byte{0x77}));
+}
+
+TEST(CkptAsync, AsyncSaveEqualsSyncSaveAndSnapshotsBeforeReturning) { check_async_equals_sync({}); }
+
+TEST(CkptAsync, ForkSnapshotEqualsSyncSaveAndSnapshotsBeforeReturning) {
+  SaveOptions options;
+  options.async_snapshot = AsyncSnapshot::fork;
+  check_async_equals_sync(options);
+  EXPECT_TRUE(no_unreaped_children());
+}
+
+using testing::FaultHookGuard;
+
+std::vector<std::int32_t> restore_values(const fs::path& root, std::uint64_t expected_step) {
+  SingleProcessCommunicator comm;
+  std::vector<std::int32_t> out(4, -1);
+  auto target = TensorTarget::whole("v", DType::int32, {4}, out.data());
+  const auto restored = restore_latest(root, std::span(&target, 1), comm);
+  EXPECT_TRUE(restored.has_value());
+  if (restored) {
+    EXPECT_EQ(restored->step, expected_step);
+  }
+  return out;
+}
+
+TEST(CkptAsync, ForkSnapshotWriterKilledOrFailingFailsTheSaveAndKeepsThePrevious) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  SaveOptions options;
+  options.async_snapshot = AsyncSnapshot::fork;
+  std::vector<std::int32_t> values = {1, 2, 3, 4};
+  auto view = TensorView::replicated("v", DType::int32, {4}, values.data());
+  AsyncSaver saver(dir.path(), comm, options);
+  saver.save(1, std::span(&view, 1), {});
+  ASSERT_NO_THROW(saver.wait());
+  values = {5, 6, 7, 8};
+  {
+    // The hook runs only in the forked writer: it dies there as if OOM-killed.
+    FaultHookGuard hook([](std::string_view point, int) {
+      if (point == "async.fork_child") ::raise(SIGKILL);
+    });
+    saver.save(2, std::span(&view, 1), {});
+    try {
+      saver.wait();
+      ADD_FAILURE() << "a killed snapshot writer must fail the save";
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("killed by signal 9"), std::string::npos) << e.what();
+    }
+  }
+  {
+    FaultHookGuard hook([](std::string_view point, int) {
+      if (point == "async.fork_child") throw CheckpointError("injected failure in the writer process");
+    });
+    saver.save(3, std::span(&view, 1), {});
+    try {
+      saver.wait();
+      ADD_FAILURE() << "a failing snapshot writer must fail the save";
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find("injected failure in the writer process"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_EQ(list_steps(dir.path()).size(), 1U);
+  EXPECT_EQ(restore_values(dir.path(), 1), (std::vector<std::int32_t>{1, 2, 3, 4}));
+  saver.save(4, std::span(&view, 1), {});  // the saver still works
+  ASSERT_NO_THROW(saver.wait());
+  EXPECT_EQ(restore_values(dir.path(), 4), values);
+  EXPECT_TRUE(no_unreaped_children());
 }
 
 TEST(CkptAsync, StagingGrowsWhenTheStateGrowsAndOddSizesKeepTheirBytes) {

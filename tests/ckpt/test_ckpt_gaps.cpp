@@ -15,6 +15,7 @@
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "h5.hpp"
 #include "internal.hpp"
+#include "fault_hook_guard.hpp"
 #include "test_support.hpp"
 
 namespace elastrun::ckpt {
@@ -29,14 +30,7 @@ using testing::save_world4;
 using testing::TempDir;
 using testing::world4_model;
 
-// Installs a fault hook for the lifetime of the object.
-class FaultHookGuard {
- public:
-  explicit FaultHookGuard(detail::FaultHook hook) { detail::set_fault_hook(std::move(hook)); }
-  ~FaultHookGuard() { detail::set_fault_hook(nullptr); }
-  FaultHookGuard(const FaultHookGuard&) = delete;
-  FaultHookGuard& operator=(const FaultHookGuard&) = delete;
-};
+using testing::FaultHookGuard;
 
 // XORs one byte of the stored data of `dataset_name` in `shard` (located through HDF5).
 void flip_stored_byte(const fs::path& shard, const std::string& dataset_name) {
@@ -117,7 +111,8 @@ TEST(CkptGapsCommit, ResaveFailureAfterExchangeStillReportsSuccessAndNewData) {
   EXPECT_NE(result.warnings[0].find("injected"), std::string::npos);
   EXPECT_EQ(restore_values(dir.path()), values);
   EXPECT_EQ(list_steps(dir.path()).size(), 1U);
-  // The replaced copy was removed after the exchange.
+  // The replaced copy was removed after the exchange (by the background remover).
+  detail::wait_for_background_removals();
   for (const auto& e : fs::directory_iterator(dir.path())) {
     EXPECT_FALSE(detail::is_partial_name(e.path().filename().string())) << e.path();
   }

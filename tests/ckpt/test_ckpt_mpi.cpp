@@ -2,6 +2,7 @@
 // collective MPI-IO, read back with resharding, verified, and read through the index's virtual
 // datasets with plain HDF5.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <mpi.h>
 
 #include <memory>
@@ -13,6 +14,7 @@
 #include "elastrun/ckpt/mpi_comm.hpp"
 #include "h5.hpp"
 #include "internal.hpp"
+#include "fault_hook_guard.hpp"
 #include "test_support.hpp"
 
 namespace elastrun::ckpt {
@@ -153,6 +155,32 @@ TEST_F(CkptMpi, FilePerRankOverMpiAndLayoutsMix) {
   expect_restores(dir.path(), old_model, comm, 1);
 }
 
+// Copy-on-write snapshots under a real MPI job: each rank's forked writer writes its shard while
+// the parent (MPI initialised, progress threads running) scribbles over its tensors; the shared-
+// file layout (MPI-IO in the writer) takes a copy snapshot instead.
+TEST_F(CkptMpi, ForkSnapshotUnderMpiAndSharedFileFallsBackToCopy) {
+  SharedTempDir dir(comm);
+  const auto model = testing::world4_model(61);
+  for (const Layout layout : {Layout::file_per_rank, Layout::shared_file}) {
+    std::vector<std::vector<std::byte>> slices;
+    const auto views = views_for_rank(model, comm.rank(), slices);
+    SaveOptions options;
+    options.layout = layout;
+    options.async_snapshot = AsyncSnapshot::fork;
+    const std::uint64_t step = layout == Layout::file_per_rank ? 1 : 2;
+    {
+      AsyncSaver saver(dir.path(), comm, options);
+      saver.save(step, views, {});
+      for (auto& slice : slices) std::fill(slice.begin(), slice.end(), std::byte{0x5a});
+      const auto result = saver.wait();
+      ASSERT_TRUE(result.has_value());
+    }
+    expect_restores(dir.path(), model, comm, step);
+    comm.barrier();
+  }
+  EXPECT_EQ(::waitpid(-1, nullptr, WNOHANG), -1) << "a snapshot writer was not reaped";
+}
+
 TEST_F(CkptMpi, SharedFileRejectsDisagreementOnEveryRank) {
   SharedTempDir dir(comm);
   std::vector<float> values(8, 1.0F);
@@ -166,14 +194,7 @@ TEST_F(CkptMpi, SharedFileRejectsDisagreementOnEveryRank) {
   EXPECT_TRUE(list_steps(dir.path()).empty());
 }
 
-// Installs a fault hook for the lifetime of the object.
-class FaultHookGuard {
- public:
-  explicit FaultHookGuard(detail::FaultHook hook) { detail::set_fault_hook(std::move(hook)); }
-  ~FaultHookGuard() { detail::set_fault_hook(nullptr); }
-  FaultHookGuard(const FaultHookGuard&) = delete;
-  FaultHookGuard& operator=(const FaultHookGuard&) = delete;
-};
+using testing::FaultHookGuard;
 
 // A failure on one rank at `point` of the collective shared-file write must make every rank
 // throw an error naming that rank (not block the others in the next collective call), and keep

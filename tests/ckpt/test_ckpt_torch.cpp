@@ -10,6 +10,7 @@
 #include <functional>
 #include <thread>
 
+#include "elastrun/ckpt/async_saver.hpp"
 #include "elastrun/ckpt/c10d_store_comm.hpp"
 #include "elastrun/ckpt/torch_adapter.hpp"
 #include "test_support.hpp"
@@ -120,6 +121,31 @@ TEST(CkptTorch, C10dStoreCommunicatorDrivesSaveAndRestore) {
   });
   // Every call cleans up after itself: no key survives.
   EXPECT_EQ(store->getNumKeys(), 0);
+}
+
+// Copy-on-write async snapshots in a libtorch process (intra-op thread pool and the store's
+// threads alive during fork): the writer processes see the tensors as they were at save().
+TEST(CkptTorch, ForkSnapshotOfTensorsThatChangeRightAfterSave) {
+  testing::TempDir dir;
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  store->setTimeout(std::chrono::seconds(60));
+  const at::Tensor expected = torch::rand({64, 256});
+  (void)torch::matmul(expected, expected.t());  // start the intra-op thread pool
+  run_store_ranks(*store, 2, "fork/save", [&](int rank, Communicator& comm) {
+    at::Tensor mine = expected.narrow(0, 32 * rank, 32).clone();
+    SaveViews views;
+    views.add_sharded("w", mine, {64, 256}, {32ULL * rank, 0});
+    SaveOptions options;
+    options.async_snapshot = AsyncSnapshot::fork;
+    AsyncSaver saver(dir.path(), comm, options);
+    saver.save(1, views.views(), {});
+    mine.mul_(-3.0);
+    EXPECT_NO_THROW(saver.wait());
+  });
+  Checkpoint checkpoint(dir.path() / "step-000000001");
+  at::Tensor whole = torch::zeros({64, 256});
+  checkpoint.read(TensorTarget::whole("w", DType::float32, {64, 256}, whole.data_ptr()));
+  EXPECT_TRUE(torch::equal(whole, expected));
 }
 
 // Calls are keyed by their sequence number and leave no keys behind, so a new group reusing

@@ -13,6 +13,12 @@
 
 #include "elastrun/ckpt/checkpoint.hpp"
 
+// From ckpt/src/internal.hpp (not on every test target's include path): blocks until rank 0's
+// background removals of retired steps are done.
+namespace elastrun::ckpt::detail {
+void wait_for_background_removals();
+}  // namespace elastrun::ckpt::detail
+
 namespace elastrun::ckpt::testing {
 
 // A fresh directory under the system temp dir, removed with everything in it.
@@ -25,6 +31,9 @@ class TempDir {
     std::filesystem::create_directories(path_);
   }
   ~TempDir() {
+    // The remover thread may still be deleting a retired step in here: let it finish first, so
+    // it does not race this remove_all, and no test's removals run into the next test.
+    detail::wait_for_background_removals();
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
   }

@@ -1,8 +1,9 @@
 #pragma once
-// Asynchronous save: training blocks only while tensors are copied into a host staging arena
-// (one mapping, reused while the state does not grow: first touch of fresh memory is slow; huge
-// pages asked for: fewer TLB misses during the copy), a background thread then runs
-// save_checkpoint. One save in flight; errors are never dropped.
+// Asynchronous save: training blocks only for the snapshot, then a background thread runs
+// save_checkpoint. Snapshot (SaveOptions::async_snapshot): by default a copy into a host staging
+// arena (one mapping, reused while the state does not grow: first touch of fresh memory is slow;
+// huge pages asked for: fewer TLB misses during the copy); or a copy-on-write fork whose child
+// writes the shard file. One save in flight; errors are never dropped.
 #include <condition_variable>
 #include <exception>
 #include <map>
@@ -39,15 +40,25 @@ class AsyncSaver {
   bool busy() const;
 
  private:
+  struct SnapshotProcess;  // the forked shard writer of a fork snapshot (async_saver.cpp)
   struct Job {
     std::uint64_t step = 0;
-    std::vector<TensorView> views;  // point into staging_
+    // Into staging_ (copy snapshot) or, until the writer thread forked, the caller's tensors.
+    std::vector<TensorView> views;
+    bool staged = false;  // views point into staging_ (this rank's pieces only)
+    bool fork_requested = false;  // save() waits until the writer thread forked (fork_done_)
+    std::shared_ptr<SnapshotProcess> writer;  // set once forked
     nlohmann::json metadata;
     std::map<std::string, std::uint64_t> fingerprints;  // replicated tensors, whole-tensor
     std::optional<std::string> error;  // this rank's snapshot failed: vote no in every round
   };
   // Grows (never shrinks) the staging arena to at least `bytes`; throws std::bad_alloc.
   std::byte* staging_arena(std::size_t bytes);
+  // Copy snapshot: job.views (the caller's tensors) -> this rank's pieces in the staging arena.
+  // On failure (e.g. out of memory) sets job.error instead of throwing.
+  void stage_copy(Job& job);
+  // Writer thread, while save() waits: fork the shard writer, or copy if fork is impossible.
+  void take_fork_snapshot(Job& job);
   void run(std::stop_token stop);
   void wait_idle(std::unique_lock<std::mutex>& lock);
 
@@ -60,6 +71,7 @@ class AsyncSaver {
   std::condition_variable_any changed_;
   std::optional<Job> pending_;
   bool in_flight_ = false;
+  bool fork_done_ = false;  // the pending fork snapshot was taken: save() may return
   std::exception_ptr error_;
   std::optional<SaveResult> last_result_;
   std::jthread worker_;  // last member: started after, joined before, everything above

@@ -32,6 +32,19 @@ enum class ReplicaCheck : std::uint8_t {
   full,     // xxh3 of every byte (one extra read of each replicated tensor per rank)
 };
 
+// How AsyncSaver takes its snapshot (the moment training may go on modifying the tensors).
+enum class AsyncSnapshot : std::uint8_t {
+  // Default: copy this rank's bytes into a host staging arena; training blocks for one memcpy
+  // of the shard (extra memory: one shard). Works everywhere.
+  copy,
+  // Copy-on-write: fork() a child process that writes this rank's shard file from the address
+  // space as it was at save(); training blocks only for fork() (page tables), and pages it
+  // modifies while the child writes are copied by the kernel on first write (extra memory: only
+  // those pages). Linux, host memory, file-per-rank layout; other layouts, or a failed fork,
+  // fall back to copy. The child never touches MPI, torch or the communicator.
+  fork,
+};
+
 struct SaveOptions {
   Layout layout = Layout::file_per_rank;
   // HDF5 data alignment in bytes (set to the filesystem stripe size); 0 = HDF5 default.
@@ -52,6 +65,8 @@ struct SaveOptions {
   // writes its own pieces with independent transfers, hashed while written, writeback started
   // early (twice as fast here for large per-rank pieces, docs/checkpoint-format.md).
   bool shared_file_aggregation = false;
+  // AsyncSaver only (save_checkpoint ignores it).
+  AsyncSnapshot async_snapshot = AsyncSnapshot::copy;
 };
 
 struct SaveResult {
