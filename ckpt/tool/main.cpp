@@ -89,9 +89,12 @@ int command_ls(const fs::path& root) {
     const std::string name = entry.path().filename().string();
     if (listed.contains(entry.path())) continue;
     if (name.rfind("step-", 0) == 0 && name.find('.') != std::string::npos) {
-      fmt::print("{:<16} {:>10} {:>6}  partial (interrupted save, ignored; removed by the next "
-                 "save)\n",
-                 name, human_bytes(directory_bytes(entry.path())), "-");
+      // Retired steps are renamed to step-N.deleting-<gen> and removed by the saving process in
+      // the background; anything else with a suffix is left over from an interrupted save.
+      const bool retired = name.find(".deleting-") != std::string::npos;
+      fmt::print("{:<16} {:>10} {:>6}  {}\n", name, human_bytes(directory_bytes(entry.path())), "-",
+                 retired ? "retired (being deleted, ignored; else removed by the next save)"
+                         : "partial (interrupted save, ignored; removed by the next save)");
     }
   }
   return 0;

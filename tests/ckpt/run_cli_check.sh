@@ -11,6 +11,12 @@ step="$work/ckpt/step-000000042"
 
 "$tool" ls "$work/ckpt" > "$work/ls.out" || fail "ls exit"
 grep -q "^42 .* 4  ok (latest)" "$work/ls.out" || fail "ls output: $(cat "$work/ls.out")"
+# Leftovers are listed for what they are: a retired step being deleted, an interrupted save.
+mkdir "$work/ckpt/step-000000007.deleting-0123abcd" "$work/ckpt/step-000000043.tmp-4567ef01"
+"$tool" ls "$work/ckpt" > "$work/ls.out" || fail "ls exit with leftovers"
+grep -q "^step-000000007.deleting-0123abcd .* retired (being deleted" "$work/ls.out" || fail "ls retired: $(cat "$work/ls.out")"
+grep -q "^step-000000043.tmp-4567ef01 .* partial (interrupted save" "$work/ls.out" || fail "ls partial: $(cat "$work/ls.out")"
+rmdir "$work/ckpt/step-000000007.deleting-0123abcd" "$work/ckpt/step-000000043.tmp-4567ef01"
 "$tool" inspect "$step" > "$work/inspect.out" || fail "inspect exit"
 grep -q "^model/emb  *bfloat16  *\[9,3\]  *sharded  *4" "$work/inspect.out" || fail "inspect output"
 "$tool" verify "$work/ckpt" > /dev/null || fail "verify of a good checkpoint"
