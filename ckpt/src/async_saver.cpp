@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <functional>
@@ -25,6 +26,32 @@ namespace fs = std::filesystem;
 namespace {
 // Each staged piece starts on a cache line (and so keeps any dtype's alignment).
 constexpr std::size_t kStagingAlignment = 64;
+
+// Fork snapshot child: gives up the child's mapping of the whole pages inside a tensor's memory
+// (the parent's pages are untouched; once the child no longer shares them, the parent's writes
+// need no copy). Errors are ignored: the pages then stay shared, which costs only faults.
+std::pair<std::uintptr_t, std::uintptr_t> memory_range(const TensorView& view) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(view.data);
+  return {begin, begin + element_count(view.slice_extent) * dtype_size(view.dtype)};
+}
+
+bool views_overlap(const std::vector<TensorView>& views) {
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> ranges;
+  for (const auto& view : views) ranges.push_back(memory_range(view));
+  std::sort(ranges.begin(), ranges.end());
+  for (std::size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) return true;
+  }
+  return false;
+}
+
+void release_child_pages(const TensorView& view) {
+  static const std::uintptr_t page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto [begin, end] = memory_range(view);
+  const std::uintptr_t first = (begin + page - 1) / page * page;
+  const std::uintptr_t last = end / page * page;
+  if (last > first) (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
 }  // namespace
 
 AsyncSaver::AsyncSaver(std::filesystem::path root, Communicator& comm, SaveOptions options)
@@ -131,8 +158,10 @@ struct AsyncSaver::SnapshotProcess {
     return text;
   }
 
-  // In the child, never returns. `write` gets the directory and returns the reply text.
-  [[noreturn]] static void child_main(int fd, pid_t parent,
+  // In the child, never returns. `prepare` runs at once (while the parent's writer thread
+  // agrees on the directory with the other ranks); `write` gets the directory and returns the
+  // reply text.
+  [[noreturn]] static void child_main(int fd, pid_t parent, const std::function<void()>& prepare,
                                       const std::function<std::string(const fs::path&)>& write) noexcept {
     sigset_t all;
     ::sigfillset(&all);
@@ -140,6 +169,7 @@ struct AsyncSaver::SnapshotProcess {
     if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) ::_exit(3);
     std::string reply;
     try {
+      prepare();
       const std::optional<std::string> directory = receive_frame(fd);
       if (!directory || directory->empty()) ::_exit(0);  // the save failed before the shard was needed
       reply = write(*directory);
@@ -220,13 +250,14 @@ void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
     changed_.wait(lock, [&] { return fork_done_; });
     return;
   }
-  if (!job.error) stage_copy(job);
+  if (!job.error) stage_copy(job, comm_.rank(), comm_.size());
   pending_ = std::move(job);
   in_flight_ = true;
   changed_.notify_all();
 }
 
-void AsyncSaver::stage_copy(Job& job) {
+void AsyncSaver::stage_copy(Job& job, int rank, int world,
+                            const std::function<void(const TensorView&)>& after_copy) {
   static const std::byte no_piece{};  // non-null data for ranks that write none of a tensor
   try {
     // Only the bytes this rank will write: its slice, or its piece of a replicated tensor.
@@ -234,7 +265,7 @@ void AsyncSaver::stage_copy(Job& job) {
     std::vector<std::size_t> offsets;
     std::size_t total = 0;
     for (const auto& tensor : job.views) {
-      const auto& piece = pieces.emplace_back(detail::rank_piece(tensor, comm_.rank(), comm_.size()));
+      const auto& piece = pieces.emplace_back(detail::rank_piece(tensor, rank, world));
       offsets.push_back(total);
       const std::size_t bytes = piece ? element_count(piece->extent) * dtype_size(tensor.dtype) : 0;
       total += (bytes + kStagingAlignment - 1) / kStagingAlignment * kStagingAlignment;
@@ -247,6 +278,7 @@ void AsyncSaver::stage_copy(Job& job) {
       if (bytes > 0) {
         std::memcpy(arena + offsets[i], detail::piece_data(view, *piece, gather_scratch_), bytes);
       }
+      if (after_copy) after_copy(view);
       view.data = bytes > 0 ? arena + offsets[i] : &no_piece;
     }
     job.staged = true;
@@ -255,14 +287,14 @@ void AsyncSaver::stage_copy(Job& job) {
     // this rank's votes, so the writer thread votes no with this error.
     job.views.clear();
     job.fingerprints.clear();
-    job.error = fmt::format("rank {}: snapshot for step {} failed: {}", comm_.rank(), job.step, e.what());
+    job.error = fmt::format("rank {}: snapshot for step {} failed: {}", rank, job.step, e.what());
   }
 }
 
 void AsyncSaver::take_fork_snapshot(Job& job) {
   int ends[2] = {-1, -1};
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, ends) != 0) {
-    stage_copy(job);  // no descriptors left: copy instead, same result
+    stage_copy(job, comm_.rank(), comm_.size());  // no descriptors left: copy instead, same result
     return;
   }
   auto writer = std::make_shared<SnapshotProcess>();
@@ -279,19 +311,35 @@ void AsyncSaver::take_fork_snapshot(Job& job) {
     pid = ::fork();
     if (pid == 0) {
       h5::reinitialize_library_mutex_in_child();  // h5_lock is never released in the child
+      // Copy this rank's pieces into the child's own memory first (one memcpy, while training
+      // already runs), then drop the child's mappings of the caller's tensors: from then on
+      // training's writes to them cost no copy-on-write fault, however long the disk takes.
+      // Views that alias one buffer are dropped only after every piece is copied.
+      const std::function<void()> prepare = [&] {
+        if (!views_overlap(job.views)) {
+          stage_copy(job, rank, world, release_child_pages);  // each tensor right after its copy
+          return;
+        }
+        const std::vector<TensorView> originals = job.views;
+        stage_copy(job, rank, world);
+        if (!job.error) {
+          for (const auto& original : originals) release_child_pages(original);
+        }
+      };
       const std::function<std::string(const fs::path&)> write_shard = [&](const fs::path& directory) {
         detail::fault_point("async.fork_child", rank);
+        if (job.error) throw CheckpointError(*job.error);
         std::uint64_t bytes = 0;
-        nlohmann::json report = detail::write_shard_file(directory, job.step, job.views, rank, world,
-                                                         options_, detail::PieceSource::whole_tensor, bytes);
+        nlohmann::json report = detail::write_shard_file(directory, job.step, job.views, rank, world, options_,
+                                                         detail::PieceSource::rank_piece_only, bytes);
         return nlohmann::json{{"report", std::move(report)}, {"bytes", bytes}}.dump();
       };
-      SnapshotProcess::child_main(ends[1], parent, write_shard);
+      SnapshotProcess::child_main(ends[1], parent, prepare, write_shard);
     }
   }
   ::close(ends[1]);
   if (pid < 0) {
-    stage_copy(job);  // e.g. EAGAIN/ENOMEM: copy instead, same result
+    stage_copy(job, rank, world);  // e.g. EAGAIN/ENOMEM: copy instead, same result
     return;
   }
   writer->pid = pid;

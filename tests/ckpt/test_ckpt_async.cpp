@@ -107,6 +107,32 @@ std::vector<std::int32_t> restore_values(const fs::path& root, std::uint64_t exp
   return out;
 }
 
+// The fork writer copies, then gives up its mapping of the tensors; views aliasing one buffer
+// (e.g. a flat parameter buffer and views into it) must all be copied before any is given up.
+TEST(CkptAsync, ForkSnapshotOfAliasingViewsKeepsEveryViewsBytes) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  SaveOptions options;
+  options.async_snapshot = AsyncSnapshot::fork;
+  std::vector<std::int32_t> flat(1 << 16);  // several pages
+  for (std::size_t i = 0; i < flat.size(); ++i) flat[i] = static_cast<std::int32_t>(i);
+  const std::vector<std::int32_t> expected = flat;
+  const std::size_t half = flat.size() / 2;
+  std::vector<TensorView> views = {
+      TensorView::replicated("flat", DType::int32, {flat.size()}, flat.data()),
+      TensorView::replicated("upper", DType::int32, {half}, flat.data() + half)};
+  AsyncSaver saver(dir.path(), comm, options);
+  saver.save(1, views, {});
+  std::fill(flat.begin(), flat.end(), -1);
+  ASSERT_NO_THROW(saver.wait());
+  const auto saved = read_everything(dir.path() / "step-000000001");
+  ASSERT_EQ(saved.at("flat").size(), expected.size() * sizeof(std::int32_t));
+  EXPECT_EQ(std::memcmp(saved.at("flat").data(), expected.data(), saved.at("flat").size()), 0);
+  ASSERT_EQ(saved.at("upper").size(), half * sizeof(std::int32_t));
+  EXPECT_EQ(std::memcmp(saved.at("upper").data(), expected.data() + half, saved.at("upper").size()), 0);
+  EXPECT_TRUE(no_unreaped_children());
+}
+
 TEST(CkptAsync, ForkSnapshotWriterKilledOrFailingFailsTheSaveAndKeepsThePrevious) {
   TempDir dir;
   SingleProcessCommunicator comm;

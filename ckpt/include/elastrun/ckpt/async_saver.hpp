@@ -6,6 +6,7 @@
 // writes the shard file. One save in flight; errors are never dropped.
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -54,9 +55,11 @@ class AsyncSaver {
   };
   // Grows (never shrinks) the staging arena to at least `bytes`; throws std::bad_alloc.
   std::byte* staging_arena(std::size_t bytes);
-  // Copy snapshot: job.views (the caller's tensors) -> this rank's pieces in the staging arena.
-  // On failure (e.g. out of memory) sets job.error instead of throwing.
-  void stage_copy(Job& job);
+  // Copy snapshot: job.views (the caller's tensors) -> this rank's pieces in the staging arena;
+  // after_copy sees each original view once its piece is copied. On failure (e.g. out of
+  // memory) sets job.error instead of throwing.
+  void stage_copy(Job& job, int rank, int world,
+                  const std::function<void(const TensorView&)>& after_copy = {});
   // Writer thread, while save() waits: fork the shard writer, or copy if fork is impossible.
   void take_fork_snapshot(Job& job);
   void run(std::stop_token stop);

@@ -37,11 +37,13 @@ enum class AsyncSnapshot : std::uint8_t {
   // Default: copy this rank's bytes into a host staging arena; training blocks for one memcpy
   // of the shard (extra memory: one shard). Works everywhere.
   copy,
-  // Copy-on-write: fork() a child process that writes this rank's shard file from the address
-  // space as it was at save(); training blocks only for fork() (page tables), and pages it
-  // modifies while the child writes are copied by the kernel on first write (extra memory: only
-  // those pages). Linux, host memory, file-per-rank layout; other layouts, or a failed fork,
-  // fall back to copy. The child never touches MPI, torch or the communicator.
+  // Copy-on-write: fork() a child process that holds the address space as it was at save():
+  // it copies this rank's pieces into its own memory, gives up its mapping of the tensors,
+  // then writes the shard file. Training blocks only for fork() (page tables); pages it writes
+  // while the child still maps them take a copy-on-write fault each (docs/checkpoint-format.md
+  // has the trade-off). Extra memory: one shard in the child plus those pages. Linux, host
+  // memory, file-per-rank layout; other layouts, or a failed fork, fall back to copy. The
+  // child never touches MPI, torch or the communicator.
   fork,
 };
 
