@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <fstream>
+#include <limits>
 #include <cstring>
 #include <functional>
 #include <new>
@@ -30,6 +32,20 @@ constexpr std::size_t kStagingAlignment = 64;
 // Fork snapshot child: gives up the child's mapping of the whole pages inside a tensor's memory
 // (the parent's pages are untouched; once the child no longer shares them, the parent's writes
 // need no copy). Errors are ignored: the pages then stay shared, which costs only faults.
+// Fork snapshot child: memory only this process holds (its staging copy, and the old copies of
+// pages the parent wrote since the fork) = what the snapshot costs beyond the parent's memory.
+// 0 if /proc is unreadable.
+std::uint64_t private_bytes() {
+  std::ifstream rollup("/proc/self/smaps_rollup");
+  std::uint64_t total_kib = 0;
+  for (std::string key; rollup >> key;) {
+    std::uint64_t kib = 0;
+    if ((key == "Private_Clean:" || key == "Private_Dirty:") && rollup >> kib) total_kib += kib;
+    rollup.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return total_kib * 1024;
+}
+
 std::pair<std::uintptr_t, std::uintptr_t> memory_range(const TensorView& view) {
   const auto begin = reinterpret_cast<std::uintptr_t>(view.data);
   return {begin, begin + element_count(view.slice_extent) * dtype_size(view.dtype)};
@@ -109,6 +125,7 @@ struct AsyncSaver::SnapshotProcess {
   pid_t pid = -1;
   int socket = -1;  // the parent's end
   bool reaped = false;
+  std::uint64_t private_bytes = 0;  // the child's peak private memory, from its report
 
   SnapshotProcess() = default;
   SnapshotProcess(const SnapshotProcess&) = delete;
@@ -206,6 +223,7 @@ struct AsyncSaver::SnapshotProcess {
     if ((*reply)[0] == '!') throw CheckpointError(reply->substr(1));
     nlohmann::json answer = nlohmann::json::parse(*reply);
     bytes_written += answer.at("bytes").get<std::uint64_t>();
+    private_bytes = answer.value("private_bytes", std::uint64_t{0});
     return std::move(answer.at("report"));
   }
 };
@@ -315,13 +333,21 @@ void AsyncSaver::take_fork_snapshot(Job& job) {
       // already runs), then drop the child's mappings of the caller's tensors: from then on
       // training's writes to them cost no copy-on-write fault, however long the disk takes.
       // Views that alias one buffer are dropped only after every piece is copied.
+      // Sampled after each copy (before its pages are given up) and before the reply: the
+      // child's peak private memory, reported as SaveResult::snapshot_bytes.
+      std::uint64_t peak_private = 0;
+      const auto sample = [&] { peak_private = std::max(peak_private, private_bytes()); };
       const std::function<void()> prepare = [&] {
         if (!views_overlap(job.views)) {
-          stage_copy(job, rank, world, release_child_pages);  // each tensor right after its copy
+          stage_copy(job, rank, world, [&](const TensorView& original) {  // each right after its copy
+            sample();
+            release_child_pages(original);
+          });
           return;
         }
         const std::vector<TensorView> originals = job.views;
         stage_copy(job, rank, world);
+        sample();
         if (!job.error) {
           for (const auto& original : originals) release_child_pages(original);
         }
@@ -332,7 +358,9 @@ void AsyncSaver::take_fork_snapshot(Job& job) {
         std::uint64_t bytes = 0;
         nlohmann::json report = detail::write_shard_file(directory, job.step, job.views, rank, world, options_,
                                                          detail::PieceSource::rank_piece_only, bytes);
-        return nlohmann::json{{"report", std::move(report)}, {"bytes", bytes}}.dump();
+        sample();
+        return nlohmann::json{{"report", std::move(report)}, {"bytes", bytes}, {"private_bytes", peak_private}}
+            .dump();
       };
       SnapshotProcess::child_main(ends[1], parent, prepare, write_shard);
     }
@@ -374,6 +402,9 @@ void AsyncSaver::run(std::stop_token stop) {
       }
       result = detail::save_checkpoint_from(root_, job.step, job.views, job.metadata, comm_,
                                             options_, inputs);
+      result->snapshot_bytes = job.writer ? job.writer->private_bytes
+                               : job.staged ? staging_.get_deleter().length
+                                            : 0;
     } catch (...) {
       error = std::current_exception();
     }

@@ -63,6 +63,8 @@ void check_async_equals_sync(const SaveOptions& options) {
     const auto result = saver.wait();
     ASSERT_TRUE(result.has_value());
     EXPECT_EQ(result->path, async_dir.path() / "step-000000007");
+    // The snapshot's own memory is reported: the staging arena, or the writer process's copy.
+    EXPECT_GT(result->snapshot_bytes, 0U);
     // Staging buffers are reused for the next save (same sizes): still correct data.
     saver.save(8, views, {{"step_meta", 8}});
     EXPECT_NO_THROW(saver.wait());

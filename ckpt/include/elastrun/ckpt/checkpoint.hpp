@@ -74,6 +74,10 @@ struct SaveOptions {
 struct SaveResult {
   std::filesystem::path path;  // committed step directory
   std::uint64_t bytes_written = 0;  // this rank's tensor bytes
+  // AsyncSaver: memory the snapshot held beyond the caller's: the staging arena (copy), or the
+  // forked writer's peak private memory — its copy plus old copies of pages training wrote
+  // while shared (fork; sampled after each tensor's copy and at the end). 0 for sync saves.
+  std::uint64_t snapshot_bytes = 0;
   // Problems after the step was committed (it is durable and visible; restore will use it),
   // e.g. `latest` could not be updated or the replaced copy not removed. Same on every rank.
   std::vector<std::string> warnings;
