@@ -12,8 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <fstream>
-#include <limits>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <new>
@@ -36,12 +35,20 @@ constexpr std::size_t kStagingAlignment = 64;
 // pages the parent wrote since the fork) = what the snapshot costs beyond the parent's memory.
 // 0 if /proc is unreadable.
 std::uint64_t private_bytes() {
-  std::ifstream rollup("/proc/self/smaps_rollup");
+  // Plain read(2), no iostreams: a stream takes libstdc++'s locale lock, which another thread of
+  // the parent may have held at fork().
+  const int fd = ::open("/proc/self/smaps_rollup", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  std::string text;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(fd, buffer, sizeof buffer)) > 0 || (n < 0 && errno == EINTR);) {
+    if (n > 0) text.append(buffer, static_cast<std::size_t>(n));
+  }
+  ::close(fd);
   std::uint64_t total_kib = 0;
-  for (std::string key; rollup >> key;) {
-    std::uint64_t kib = 0;
-    if ((key == "Private_Clean:" || key == "Private_Dirty:") && rollup >> kib) total_kib += kib;
-    rollup.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  for (const std::string_view key : {"\nPrivate_Clean:", "\nPrivate_Dirty:"}) {
+    const auto at = text.find(key);
+    if (at != std::string::npos) total_kib += std::strtoull(text.c_str() + at + key.size(), nullptr, 10);
   }
   return total_kib * 1024;
 }
