@@ -28,9 +28,6 @@ namespace {
 // Each staged piece starts on a cache line (and so keeps any dtype's alignment).
 constexpr std::size_t kStagingAlignment = 64;
 
-// Fork snapshot child: gives up the child's mapping of the whole pages inside a tensor's memory
-// (the parent's pages are untouched; once the child no longer shares them, the parent's writes
-// need no copy). Errors are ignored: the pages then stay shared, which costs only faults.
 // Fork snapshot child: memory only this process holds (its staging copy, and the old copies of
 // pages the parent wrote since the fork) = what the snapshot costs beyond the parent's memory.
 // 0 if /proc is unreadable.
@@ -68,8 +65,11 @@ bool views_overlap(const std::vector<TensorView>& views) {
   return false;
 }
 
+// Fork snapshot child: gives up the child's mapping of the whole pages inside a tensor's memory
+// (the parent's pages are untouched; once the child no longer shares them, the parent's writes
+// need no copy). Errors are ignored: the pages then stay shared, which costs only faults.
 void release_child_pages(const TensorView& view) {
-  static const std::uintptr_t page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
   const auto [begin, end] = memory_range(view);
   const std::uintptr_t first = (begin + page - 1) / page * page;
   const std::uintptr_t last = end / page * page;
