@@ -24,7 +24,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using detail::Box;
 
-
 std::optional<Box> detail::rank_piece(const TensorView& t, int rank, int world) {
   if (t.placement == Placement::sharded) {
     if (element_count(t.slice_extent) == 0) return std::nullopt;
@@ -489,6 +488,17 @@ fs::path publish(const fs::path& root, const fs::path& temporary, const fs::path
   return aside;
 }
 
+// Rank 0: removes a step directory that is no longer wanted (retention, a replaced copy). It is
+// renamed synchronously to "step-<n>.deleting-<gen>", a name every reader ignores, so a crash
+// mid-removal never leaves a half-deleted step under a name that counts; the deletion itself is
+// slow (ext4 with `discard`, Lustre) and every rank waits for rank 0's commit, so a background
+// thread does it. Killed first, the next save removes the leftover. Throws if the rename fails.
+void retire(const fs::path& root, std::uint64_t step, const fs::path& directory) {
+  const fs::path doomed = root / (detail::step_name(step) + ".deleting-" + detail::generation_token());
+  detail::rename_path(directory, doomed);
+  detail::remove_in_background(doomed);
+}
+
 // Rank 0, after every rank voted yes: make the step durable and visible. Throws only if the
 // step was not committed; problems after that point are returned as warnings (the save is
 // committed and restore will use it).
@@ -532,15 +542,10 @@ std::vector<std::string> commit(const fs::path& root, const fs::path& temporary,
   });
   if (!replaced.empty()) {
     attempt("removing the replaced copy", [&] {
-      // Renamed first, synchronously: list_steps() takes "step-<n>.replaced-<gen>" for step n
-      // when step-<n> is missing, so it must not be deleted file by file under that name. A
-      // ".deleting-" name is ignored by every reader; the deletion itself (slow: ext4 with
-      // `discard`, Lustre) happens in the background, off every rank's wait for round 3. If the
-      // rename fails (a warning), the housekeeping after this commit removes the copy.
-      const fs::path doomed =
-          root / (detail::step_name(step) + ".deleting-" + detail::generation_token());
-      detail::rename_path(replaced, doomed);
-      detail::remove_in_background(doomed);
+      // list_steps() takes "step-<n>.replaced-<gen>" for step n when step-<n> is missing, so it
+      // must not be deleted file by file under that name. If the rename fails (a warning), the
+      // housekeeping after this commit removes the copy.
+      retire(root, step, replaced);
     });
   }
   return warnings;
@@ -747,13 +752,7 @@ void apply_retention(const fs::path& root, std::uint64_t committed, int keep_las
   const std::size_t remove_count = older.size() > keep_older ? older.size() - keep_older : 0;
   for (std::size_t i = 0; i < remove_count; ++i) {
     if (keep_every > 0 && older[i].step % keep_every == 0) continue;
-    // Rename first so a crash mid-removal never leaves a half-deleted "step-N" directory.
-    const fs::path doomed =
-        root / (detail::step_name(older[i].step) + ".deleting-" + detail::generation_token());
-    detail::rename_path(older[i].path, doomed);
-    // The deletion itself is slow (ext4 with `discard`, Lustre) and every rank waits for rank 0
-    // here: a background thread does it. Killed first, the next save removes the leftover.
-    detail::remove_in_background(doomed);
+    retire(root, older[i].step, older[i].path);
   }
 }
 
