@@ -23,7 +23,8 @@ grep -Eq '^optional[[:space:]]+.*spank_elastrun\.so' "$snippet" || fail "snippet
 deb=$(ls "$tmp"/deb/*.deb 2>/dev/null | head -1)
 [[ -n $deb ]] || fail "cpack produced no .deb"
 contents=$(dpkg-deb -c "$deb")
-for f in /bin/elastrun /bin/elastrun-ckpt "$plugin_dir/spank_elastrun.so" plugstack.conf.d/elastrun.conf; do
+for f in /bin/elastrun /bin/elastrun-ckpt "$plugin_dir/spank_elastrun.so" plugstack.conf.d/elastrun.conf \
+         /lib/libelastrun_ckpt.a /include/elastrun/ckpt/checkpoint.hpp /lib/cmake/elastrun/elastrunConfig.cmake; do
   grep -q -- "$f\$" <<<"$contents" || fail ".deb lacks $f"
 done
 dpkg-deb -f "$deb" Depends | grep -q libslurm || fail ".deb does not depend on libslurm"
