@@ -1,14 +1,133 @@
-// The elastic agent: `elastrun [torchrun flags] PROGRAM [ARGS...]`.
-// States (named in code and logs): RENDEZVOUS -> START_WORKERS -> MONITOR ->
-//   SUCCEEDED | FAILED -> RESTART -> RENDEZVOUS | MEMBERSHIP_CHANGED -> RENDEZVOUS.
-// See docs/launcher.md.
+// The elastic agent: `elastrun [torchrun flags] PROGRAM [ARGS...]`, one per node.
+//
+// A short loop, each state a method that returns the next one (like torch's
+// SimpleElasticAgent._invoke_run); the states are named in the logs ("state MONITOR"):
+//
+//   RENDEZVOUS -> START_WORKERS -> MONITOR -> SUCCEEDED                       -> exit 0
+//                                         -> FAILED -> (RESTART) -> RENDEZVOUS | exit 1
+//                                         -> MEMBERSHIP_CHANGED -> RENDEZVOUS
+//                                         -> CHECKPOINT_STOP    -> exit 85 (requeue) | SUCCEEDED
+//
+// RESTART is a logged transition of FAILED ("state RESTART restart N of M"), not a state of
+// its own. The FAILED decision is restart_policy.hpp's pure function; signals are signals.hpp's;
+// the worker environment is worker_env.hpp's; failures and the job-wide summary are
+// failure_report.hpp's; requeue policy is requeue.hpp's; the stores an agent hosts come from
+// rdzv/bootstrap.hpp. Stopping for a checkpoint (CHECKPOINT_STOP, the scale-up checkpoint) and
+// the requeue coordination between agents are in agent_stop.cpp. See docs/launcher.md.
 #pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "elastrun/control.hpp"
+#include "elastrun/rdzv/auth.hpp"
+#include "elastrun/rdzv/bootstrap.hpp"
+#include "elastrun/rdzv/env.hpp"
+#include "elastrun/rdzv/rendezvous.hpp"
+#include "failure_report.hpp"
+#include "options.hpp"
+#include "signals.hpp"
+#include "workers.hpp"
 
 namespace elastrun::launcher {
 
 // Parses the command line and runs the agent. Returns the process exit code:
 // 0 success, 1 failure (workers failed past --max-restarts, rendezvous error), 2 bad command
-// line, 128+N stopped by signal N.
+// line, 85 workers checkpointed and stopped, 128+N stopped by signal N.
 int run_agent(int argc, char** argv);
+
+enum class State { Rendezvous, StartWorkers, Monitor, Succeeded, Failed, MembershipChanged, CheckpointStop, Exit };
+std::string_view to_string(State s);  // "RENDEZVOUS", ...
+
+// A directory removed with everything in it when the agent ends (error files without --log-dir).
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+class Agent {
+ public:
+  Agent(const AgentOptions& options, const rdzv::DetectedEnv& env, AgentSignals& signals)
+      : o_(options), env_(env), signals_(signals) {}
+  int run();
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // ---- the states (agent.cpp) ----
+  State rendezvous();
+  State start_workers();
+  State monitor();
+  State failed();
+  State membership_changed();
+  State succeeded();
+  State checkpoint_stop();  // agent_stop.cpp
+  State exit_with(int rc) {
+    rc_ = rc;
+    return State::Exit;
+  }
+
+  // ---- set-up and helpers (agent.cpp) ----
+  void resolve_command();
+  void bootstrap();
+  void open_control_channel(const std::filesystem::path& attempt_dir);
+  void write_control(elastrun::control::Request request);
+  std::vector<WorkerExit> stop_workers(std::chrono::milliseconds grace);
+  void record(const WorkerExit& e);
+  void print_summary() { failures_.print_summary(rdzv_.get(), plan_.run_id, o_.max_restarts); }
+  int closed_exit(const rdzv::RendezvousClosed& closed);
+  void log_state(std::string_view name, const std::string& what);
+  void linger_for_peers();
+
+  // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
+  void ask_checkpoint_stop(int sig);  // a checkpoint signal reached us while workers ran
+  bool killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits);
+  bool stop_requested_elsewhere();
+  rdzv::Change checkpoint_before_scale_up();
+  bool request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal);
+  void requeue_failed_job();
+  void requeue_after_node_loss();
+
+  const AgentOptions& o_;
+  const rdzv::DetectedEnv& env_;
+  AgentSignals& signals_;
+  rdzv::BootstrapPlan plan_;
+  rdzv::AuthConfig auth_;
+  rdzv::AgentStores stores_;
+  std::unique_ptr<rdzv::Rendezvous> rdzv_;
+  int min_nodes_ = 1, max_nodes_ = 1;
+  std::string command_path_;
+  std::vector<std::string> command_argv_;
+  std::optional<TempDir> tmp_;
+  std::filesystem::path attempt_base_;
+  int attempt_ = 0;  // local starts of the workers, for per-attempt files
+  std::int64_t restart_count_ = 0;
+  FailureReport failures_;
+  std::optional<WorkerGroup> group_;
+  std::vector<std::string> error_files_;  // this attempt's, by local rank
+  std::vector<WorkerExit> attempt_exits_;  // this attempt's exits seen in MONITOR
+  rdzv::Change change_ = rdzv::Change::None;  // what MONITOR saw, for MEMBERSHIP_CHANGED
+  int rc_ = 1;
+  // checkpoint-and-stop (state CHECKPOINT_STOP)
+  std::string control_path_;  // this attempt's control file (ELASTRUN_CONTROL_FILE)
+  std::uint64_t control_sequence_ = 0;
+  FailureClass stop_class_ = FailureClass::TimeLimit;
+  int stop_signal_ = 0;  // the signal that asked for it, 0 if a worker or a peer did
+  std::string stop_reason_;
+  Clock::time_point next_stop_poll_{};
+};
 
 }  // namespace elastrun::launcher

@@ -1,8 +1,11 @@
-// elastrun: the elastic agent. Verbs that are not programs to launch come first on the line:
-//   elastrun env [--json]      the detected environment
-//   elastrun --version
-//   elastrun store-serve ...   the rendezvous store alone (spank_commands.cpp; srun --elastic)
-//   elastrun [torchrun flags] PROGRAM [ARGS...]   the agent (agent.hpp)
+// elastrun: the elastic agent, and the few verbs that share its binary. The mode is chosen here,
+// once, in this order:
+//   1. a task of an `srun --elastic` step (spank_commands.hpp): the SPANK plugin replaced the
+//      task's argv[0] with this binary and put the user's program in ELASTRUN_SPANK_PROGRAM, so
+//      argv holds the *user's* arguments, which must not be read as our verbs;
+//   2. a verb first on the line: `env [--json]` (env_command.hpp), `store-serve ...`
+//      (spank_commands.hpp), `--version`;
+//   3. otherwise the agent: `elastrun [torchrun flags] PROGRAM [ARGS...]` (agent.hpp).
 #include <fmt/format.h>
 
 #include <cstdlib>
@@ -10,26 +13,23 @@
 
 #include "agent.hpp"
 #include "env_command.hpp"
-
-namespace elastrun::launcher {  // spank_commands.cpp: what the SPANK plugin (srun --elastic) runs
-int run_store_serve(int argc, char** argv);
-int run_spank_task(int argc, char** argv);
-}  // namespace elastrun::launcher
+#include "spank_commands.hpp"
 
 #ifndef ELASTRUN_VERSION
 #define ELASTRUN_VERSION "unknown"
 #endif
 
 int main(int argc, char** argv) {
-  if (std::getenv("ELASTRUN_SPANK_PROGRAM")) return elastrun::launcher::run_spank_task(argc, argv);
+  namespace launcher = elastrun::launcher;
+  if (std::getenv("ELASTRUN_SPANK_PROGRAM")) return launcher::run_spank_task(argc, argv);
   if (argc >= 2) {
-    std::string_view verb = argv[1];
-    if (verb == "store-serve") return elastrun::launcher::run_store_serve(argc - 1, argv + 1);
-    if (verb == "env") return elastrun::launcher::run_env_command(argc - 1, argv + 1);
+    const std::string_view verb = argv[1];
+    if (verb == "store-serve") return launcher::run_store_serve(argc - 1, argv + 1);
+    if (verb == "env") return launcher::run_env_command(argc - 1, argv + 1);
     if (verb == "--version" || verb == "-V") {
       fmt::print("elastrun {}\n", ELASTRUN_VERSION);
       return 0;
     }
   }
-  return elastrun::launcher::run_agent(argc, argv);
+  return launcher::run_agent(argc, argv);
 }

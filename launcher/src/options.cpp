@@ -131,6 +131,28 @@ std::string_view to_string(FailureClass c) {
   return "?";
 }
 
+std::optional<FailureClass> failure_class_from_string(std::string_view name) {
+  for (int c = 0; c < kFailureClasses; ++c)
+    if (name == to_string(static_cast<FailureClass>(c))) return static_cast<FailureClass>(c);
+  return std::nullopt;
+}
+
+std::string_view to_string(RdzvBackend b) {
+  switch (b) {
+    case RdzvBackend::C10d: return "c10d";
+    case RdzvBackend::Static: return "static";
+    case RdzvBackend::Etcd: return "etcd";
+    case RdzvBackend::EtcdV2: return "etcd-v2";
+  }
+  return "?";
+}
+
+std::optional<RdzvBackend> rdzv_backend_from_string(std::string_view name) {
+  for (auto b : {RdzvBackend::C10d, RdzvBackend::Static, RdzvBackend::Etcd, RdzvBackend::EtcdV2})
+    if (name == to_string(b)) return b;
+  return std::nullopt;
+}
+
 std::array<std::int64_t, kFailureClasses> parse_requeue_budget(const std::string& text,
                                                                std::array<std::int64_t, kFailureClasses> budget) {
   const auto bad = [&](std::string_view why) {
@@ -144,17 +166,16 @@ std::array<std::int64_t, kFailureClasses> parse_requeue_budget(const std::string
     auto colon = item.find(':');
     if (colon == std::string_view::npos) throw bad(fmt::format("'{}' is not CLASS:COUNT", item));
     auto name = item.substr(0, colon), value = item.substr(colon + 1);
-    int index = -1;
-    for (int c = 0; c < kFailureClasses; ++c)
-      if (name == to_string(static_cast<FailureClass>(c))) index = c;
-    if (index < 0) throw bad(fmt::format("unknown class '{}' (known: app, node, timelimit, preempt)", name));
+    const auto cls = failure_class_from_string(name);
+    if (!cls) throw bad(fmt::format("unknown class '{}' (known: app, node, timelimit, preempt)", name));
+    const auto index = static_cast<std::size_t>(*cls);
     if (value == "inf" || value == "unlimited") {
-      budget[static_cast<std::size_t>(index)] = kUnlimited;
+      budget[index] = kUnlimited;
       continue;
     }
     auto n = to_long(value);
     if (!n || *n < 0 || *n > 1'000'000) throw bad(fmt::format("'{}' is not a count (0 or more) or inf", value));
-    budget[static_cast<std::size_t>(index)] = *n;
+    budget[index] = *n;
   }
   return budget;
 }
@@ -205,12 +226,12 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
       "signal N. SIGUSR1/SIGUSR2/SIGTERM ask workers to checkpoint and stop through\n"
       "$ELASTRUN_CONTROL_FILE. See docs/launcher.md.");
 
-  std::string requeue_budget, checkpoint_timeout = "300", scale_up_checkpoint = "true";
+  std::string rdzv_backend = "c10d", requeue_budget, checkpoint_timeout = "300", scale_up_checkpoint = "true";
   std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300",
               redirects = "0", tee = "0", ranks_filter, node_rank, master_port;
   app.add_option("--nnodes", nnodes, "N or MIN:MAX nodes (default: the Slurm step's node count, else 1)");
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers per node: N, auto, cpu or gpu (default 1)");
-  app.add_option("--rdzv-backend,--rdzv_backend", o.rdzv_backend,
+  app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend,
                  "c10d|static (embedded store, default) or etcd|etcd-v2 (external etcd v3)");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", o.rdzv_endpoint,
                  "HOST[:PORT] of the store (default under Slurm: first node of the step)");
@@ -321,9 +342,10 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   }
 
   // contradictions
-  if (o.rdzv_backend != "c10d" && o.rdzv_backend != "static" && o.rdzv_backend != "etcd" &&
-      o.rdzv_backend != "etcd-v2")
-    throw UsageError(fmt::format("--rdzv-backend='{}' is not one of c10d, static, etcd, etcd-v2", o.rdzv_backend));
+  const auto backend = rdzv_backend_from_string(rdzv_backend);
+  if (!backend)
+    throw UsageError(fmt::format("--rdzv-backend='{}' is not one of c10d, static, etcd, etcd-v2", rdzv_backend));
+  o.rdzv_backend = *backend;
   if (!o.start_method.empty() && o.start_method != "spawn" && o.start_method != "fork" &&
       o.start_method != "forkserver")
     throw UsageError(fmt::format("--start-method='{}' is not one of spawn, fork, forkserver", o.start_method));
@@ -333,12 +355,12 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   if (o.standalone) {
     if (!o.rdzv_endpoint.empty())
       throw UsageError("--standalone and --rdzv-endpoint contradict each other (standalone hosts its own store)");
-    if (o.rdzv_backend == "etcd" || o.rdzv_backend == "etcd-v2")
+    if (uses_etcd(o.rdzv_backend))
       throw UsageError("--standalone and --rdzv-backend=etcd contradict each other");
     if (o.max_nodes && *o.max_nodes > 1)
       throw UsageError(fmt::format("--standalone runs one node but --nnodes={}:{} asks for more", *o.min_nodes, *o.max_nodes));
   }
-  if ((o.rdzv_backend == "etcd" || o.rdzv_backend == "etcd-v2") && o.rdzv_endpoint.empty())
+  if (uses_etcd(o.rdzv_backend) && o.rdzv_endpoint.empty())
     throw UsageError("--rdzv-backend=etcd needs --rdzv-endpoint=HOST:PORT of an etcd server");
   if (o.master_port && o.master_addr.empty() && o.rdzv_endpoint.empty() && !o.standalone)
     throw UsageError("--master-port needs --master-addr (or use --rdzv-endpoint=HOST:PORT)");

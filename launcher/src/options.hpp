@@ -37,13 +37,20 @@ struct StreamSpec {
 enum class FailureClass { App = 0, Node = 1, TimeLimit = 2, Preempt = 3 };
 inline constexpr int kFailureClasses = 4;
 std::string_view to_string(FailureClass c);  // "app", "node", "timelimit", "preempt"
+std::optional<FailureClass> failure_class_from_string(std::string_view name);
+
+// --rdzv-backend: c10d and static use the embedded store, etcd and etcd-v2 an external etcd v3.
+enum class RdzvBackend { C10d, Static, Etcd, EtcdV2 };
+std::string_view to_string(RdzvBackend b);  // the flag's spelling
+std::optional<RdzvBackend> rdzv_backend_from_string(std::string_view name);
+inline bool uses_etcd(RdzvBackend b) { return b == RdzvBackend::Etcd || b == RdzvBackend::EtcdV2; }
 inline constexpr std::int64_t kUnlimited = -1;
 
 struct AgentOptions {
   // --nnodes (nullopt: the Slurm step's node count, or 1)
   std::optional<int> min_nodes, max_nodes;
   int nproc_per_node = 1;
-  std::string rdzv_backend = "c10d";  // c10d|static -> embedded store; etcd|etcd-v2 -> EtcdKv
+  RdzvBackend rdzv_backend = RdzvBackend::C10d;
   std::string rdzv_endpoint;
   std::string rdzv_id;
   Millis join_timeout{600'000};

@@ -2,6 +2,7 @@
 
 #include <slurm/slurm.h>
 #include <slurm/slurm_errno.h>
+#include <signal.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -13,6 +14,7 @@
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 namespace elastrun::launcher {
 namespace {
@@ -55,17 +57,17 @@ std::optional<SlurmJobView> load_slurm_job(const std::string& job_id) {
   return view;
 }
 
-std::string requeue_slurm_job(const std::string& job_id) {
+CallResult requeue_slurm_job(const std::string& job_id) {
   auto id = numeric_job_id(job_id);
-  if (!id) return fmt::format("'{}' is not a numeric job id", job_id);
+  if (!id) return CallResult::failed(fmt::format("'{}' is not a numeric job id", job_id));
   slurm_init_once();
-  if (slurm_requeue(*id, 0) != SLURM_SUCCESS) return last_slurm_error();
+  if (slurm_requeue(*id, 0) != SLURM_SUCCESS) return CallResult::failed(last_slurm_error());
   return {};
 }
 
-std::string exclude_nodes_from_job(const std::string& job_id, const std::vector<std::string>& nodes) {
+CallResult exclude_nodes_from_job(const std::string& job_id, const std::vector<std::string>& nodes) {
   auto id = numeric_job_id(job_id);
-  if (!id) return fmt::format("'{}' is not a numeric job id", job_id);
+  if (!id) return CallResult::failed(fmt::format("'{}' is not a numeric job id", job_id));
   if (nodes.empty()) return {};
   slurm_init_once();
   std::string list;
@@ -81,7 +83,7 @@ std::string exclude_nodes_from_job(const std::string& job_id, const std::vector<
     error = last_slurm_error();
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   } while (std::chrono::steady_clock::now() < deadline);
-  return error;
+  return CallResult::failed(error);
 }
 
 RequeueLedger::RequeueLedger(std::string checkpoint_dir, std::string job_id, int slurm_restart_count)
@@ -101,7 +103,7 @@ RequeueLedger::RequeueLedger(std::string checkpoint_dir, std::string job_id, int
 
 std::int64_t RequeueLedger::used(FailureClass c) const { return used_[static_cast<int>(c)]; }
 
-std::string RequeueLedger::charge(FailureClass c) {
+CallResult RequeueLedger::charge(FailureClass c) {
   ++used_[static_cast<int>(c)];
   if (path_.empty()) return {};
   nlohmann::json j;
@@ -111,12 +113,91 @@ std::string RequeueLedger::charge(FailureClass c) {
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << j.dump() << "\n";
-    if (!out) return fmt::format("cannot write {}", tmp);
+    if (!out) return CallResult::failed(fmt::format("cannot write {}", tmp));
   }
   std::error_code ec;
   std::filesystem::rename(tmp, path_, ec);
-  if (ec) return fmt::format("cannot rename {} to {}: {}", tmp, path_, ec.message());
+  if (ec) return CallResult::failed(fmt::format("cannot rename {} to {}: {}", tmp, path_, ec.message()));
   return {};
+}
+
+RequeueDecision decide_requeue(FailureClass cls, int signal, bool under_slurm,
+                               const std::optional<SlurmJobView>& job, const RequeueLedger& ledger,
+                               const std::array<std::int64_t, kFailureClasses>& budgets) {
+  using Verdict = RequeueDecision::Verdict;
+  RequeueDecision d;
+  d.cls = cls;
+  if (!under_slurm) {
+    d.verdict = Verdict::NotSlurm;
+    return d;
+  }
+  if (signal == SIGTERM) {
+    if (!job) {
+      d.slurmctld_unreachable = true;
+    } else if (job->cancelled) {
+      d.verdict = Verdict::Cancelled;
+      return d;
+    } else if (job->timed_out) {
+      d.cls = FailureClass::TimeLimit;
+    } else if (!job->preempted) {
+      d.verdict = Verdict::NotPreempted;
+      return d;
+    }
+  }
+  d.budget = budgets[static_cast<std::size_t>(d.cls)];
+  d.used = ledger.used(d.cls);
+  if (d.budget != kUnlimited && d.used >= d.budget) d.verdict = Verdict::BudgetUsedUp;
+  return d;
+}
+
+bool requeue_job(const rdzv::SlurmEnv* slurm, const AgentOptions& options, FailureClass cls,
+                 const std::vector<std::string>& exclude, int signal) {
+  using Verdict = RequeueDecision::Verdict;
+  const std::string job_id = slurm ? slurm->job_id : std::string();
+  const RequeueLedger ledger_view(options.checkpoint_dir, job_id, slurm ? slurm->restart_count : 0);
+  const std::optional<SlurmJobView> job = slurm && signal == SIGTERM ? load_slurm_job(job_id) : std::nullopt;
+  const auto d = decide_requeue(cls, signal, slurm != nullptr, job, ledger_view, options.requeue_budget);
+  if (d.slurmctld_unreachable)
+    spdlog::warn("warning: cannot ask slurmctld about job {}; treating SIGTERM as preemption", job_id);
+  const auto budget_text = d.budget == kUnlimited ? std::string("inf") : std::to_string(d.budget);
+  switch (d.verdict) {
+    case Verdict::NotSlurm:
+      spdlog::info("requeue ({}): not running under Slurm, so the job cannot be requeued; the exit code tells the caller",
+                   to_string(cls));
+      return false;
+    case Verdict::Cancelled:
+      spdlog::info("job {} was cancelled (scancel): not requeueing", job_id);
+      return false;
+    case Verdict::NotPreempted:
+      spdlog::info("SIGTERM, but job {} is neither preempted nor out of time (kill? scancel --signal?): not requeueing",
+                   job_id);
+      return false;
+    case Verdict::BudgetUsedUp:
+      spdlog::info("requeue budget for class {} used up ({} of {}{}): job {} is not requeued", to_string(d.cls), d.used,
+                   budget_text, ledger_view.path().empty() ? ", counted by SLURM_RESTART_COUNT" : "", job_id);
+      return false;
+    case Verdict::Requeue:
+      break;
+  }
+  RequeueLedger ledger = ledger_view;
+  if (auto r = ledger.charge(d.cls); !r.ok) spdlog::warn("warning: requeue ledger: {}", r.error);
+  if (auto r = requeue_slurm_job(job_id); !r.ok) {
+    spdlog::error("error: slurm_requeue({}): {} (submit with sbatch --requeue; needs a batch job)", job_id, r.error);
+    return false;
+  }
+  spdlog::info("requeued job {} (class {}, requeue {} of {})", job_id, to_string(d.cls), d.used + 1, budget_text);
+  if (!exclude.empty()) {
+    std::string list;
+    for (const auto& n : exclude) list += (list.empty() ? "" : ",") + n;
+    // Slurm's SIGTERM/SIGKILL for the requeue may end us before the outcome is logged
+    spdlog::info("excluding node(s) {} from requeued job {} (best effort)", list, job_id);
+    spdlog::default_logger()->flush();
+    if (auto r = exclude_nodes_from_job(job_id, exclude); !r.ok)
+      spdlog::warn("warning: could not exclude node(s) {} from requeued job {}: {}", list, job_id, r.error);
+    else
+      spdlog::info("requeued job {} excludes node(s) {}", job_id, list);
+  }
+  return true;
 }
 
 }  // namespace elastrun::launcher

@@ -2,11 +2,13 @@
 // excluding failed nodes) and the per-class requeue budget that survives requeues.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "elastrun/rdzv/env.hpp"
 #include "options.hpp"
 
 namespace elastrun::launcher {
@@ -20,12 +22,19 @@ struct SlurmJobView {
 };
 std::optional<SlurmJobView> load_slurm_job(const std::string& job_id);
 
-// slurm_requeue(job, 0); "" on success, else libslurm's error text.
-std::string requeue_slurm_job(const std::string& job_id);
+// The outcome of a call that may fail without being fatal to the agent.
+struct CallResult {
+  bool ok = true;
+  std::string error;  // what went wrong (libslurm's text, a path), when !ok
+  static CallResult failed(std::string why) { return {false, std::move(why)}; }
+};
 
-// ExcNodes=<nodes> on the (requeued, pending) job; "" on success, else the error text.
-// Retries for a few seconds: slurmctld accepts it only once the requeued job is pending.
-std::string exclude_nodes_from_job(const std::string& job_id, const std::vector<std::string>& nodes);
+// slurm_requeue(job, 0).
+CallResult requeue_slurm_job(const std::string& job_id);
+
+// ExcNodes=<nodes> on the (requeued, pending) job. Retries for a few seconds: slurmctld accepts
+// it only once the requeued job is pending.
+CallResult exclude_nodes_from_job(const std::string& job_id, const std::vector<std::string>& nodes);
 
 // Requeues used per FailureClass over the job's life. With a checkpoint directory the counts
 // live in <dir>/elastrun-requeue.json (written by the requeueing agent, keyed by job id);
@@ -34,8 +43,8 @@ class RequeueLedger {
  public:
   RequeueLedger(std::string checkpoint_dir, std::string job_id, int slurm_restart_count);
   std::int64_t used(FailureClass c) const;
-  // Adds one requeue of class `c` and saves the ledger; "" or the error text (not fatal).
-  std::string charge(FailureClass c);
+  // Adds one requeue of class `c` and saves the ledger.
+  CallResult charge(FailureClass c);
   const std::string& path() const { return path_; }
 
  private:
@@ -44,5 +53,34 @@ class RequeueLedger {
   int restart_count_ = 0;
   std::int64_t used_[kFailureClasses] = {};
 };
+
+// ---- the requeue policy ---------------------------------------------------------------------
+// Whether a stop of class `cls` brings the job back, as a pure function of what slurmctld says
+// (`job`: consulted only for a SIGTERM, which also comes from scancel and from reaching the time
+// limit) and of the ledger's counts.
+struct RequeueDecision {
+  enum class Verdict {
+    Requeue,       // within the class budget
+    NotSlurm,      // not running under Slurm: the exit code tells the caller
+    Cancelled,     // SIGTERM of scancel
+    NotPreempted,  // SIGTERM, but neither preemption nor the time limit (kill, scancel --signal)
+    BudgetUsedUp,  // the class's requeues are used up
+  };
+  Verdict verdict = Verdict::Requeue;
+  FailureClass cls = FailureClass::App;  // the class charged (SIGTERM at the time limit: timelimit)
+  bool slurmctld_unreachable = false;    // a SIGTERM was taken for preemption for want of an answer
+  std::int64_t used = 0;                 // requeues of `cls` before this one
+  std::int64_t budget = 0;               // kUnlimited or a count
+};
+RequeueDecision decide_requeue(FailureClass cls, int signal, bool under_slurm,
+                               const std::optional<SlurmJobView>& job, const RequeueLedger& ledger,
+                               const std::array<std::int64_t, kFailureClasses>& budgets);
+
+// Brings the job back through Slurm, for group rank 0 (or the survivor that claimed it): decides,
+// charges the ledger, calls slurm_requeue and excludes `exclude` (best effort), logging each
+// step. `signal`: the stop signal behind the request (SIGTERM is checked with slurmctld), or 0.
+// `slurm`: the job, null when not under Slurm. False when the job will not come back.
+bool requeue_job(const rdzv::SlurmEnv* slurm, const AgentOptions& options, FailureClass cls,
+                 const std::vector<std::string>& exclude, int signal);
 
 }  // namespace elastrun::launcher

@@ -24,6 +24,8 @@
 #include <system_error>
 #include <vector>
 
+#include "spank_commands.hpp"
+
 #include "agent.hpp"
 #include "elastrun/rdzv/auth.hpp"
 #include "elastrun/rdzv/store.hpp"

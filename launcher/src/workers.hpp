@@ -23,6 +23,7 @@ struct WorkerSpec {
   std::vector<std::string> env;   // "KEY=VALUE"
   bool console_stdout = true, console_stderr = true;  // relay to the agent's stdout/stderr
   std::string stdout_file, stderr_file;               // raw copies ("" = none)
+  std::string error_file;  // TORCHELASTIC_ERROR_FILE (PyTorch's @record JSON), read on failure
 };
 
 struct WorkerExit {

@@ -75,6 +75,44 @@ BootstrapPlan plan_bootstrap(const DetectedEnv& env, const BootstrapOverrides& o
   return plan;
 }
 
+BootstrapPlan plan_standalone(const DetectedEnv& env, const BootstrapOverrides& o) {
+  BootstrapPlan plan;
+  plan.run_id = o.run_id.empty() ? fmt::format("standalone-{}", getpid()) : o.run_id;
+  plan.me.node_name = env.hostname.empty() ? "localhost" : env.hostname;
+  plan.me.address = "127.0.0.1";
+  plan.me.pid = getpid();
+  plan.me.nproc = o.nproc;
+  plan.me.role = o.role;
+  plan.store_host = plan.store_address = "127.0.0.1";
+  plan.bind_address = "127.0.0.1";
+  plan.host_store = true;
+  return plan;
+}
+
+AgentStores start_agent_stores(BootstrapPlan& plan, const AuthConfig& auth) {
+  AgentStores stores;
+  StoreServerOptions so;
+  so.bind_address = plan.bind_address;
+  so.run_id = plan.run_id;
+  so.auth = auth;
+  if (plan.host_store) {
+    so.port = plan.store_port;
+    so.fallback_ports = plan.fallback_ports;
+    stores.primary = std::make_unique<StoreServer>(so);
+    plan.me.store_port = stores.primary->port();
+  } else {
+    stores.standby = std::make_unique<StoreServer>(so);
+    plan.me.store_port = stores.standby->port();
+  }
+  return stores;
+}
+
+StoreConnector store_connector(const AuthConfig& auth, const std::string& run_id) {
+  return [auth, run_id](const std::string& address, std::uint16_t port) -> std::unique_ptr<KvBackend> {
+    return std::make_unique<StoreClient>(address, port, auth, run_id, Millis(1000));
+  };
+}
+
 std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const AuthConfig& auth, Millis patience) {
   std::vector<std::uint16_t> ports{plan.store_port};
   ports.insert(ports.end(), plan.fallback_ports.begin(), plan.fallback_ports.end());

@@ -116,6 +116,9 @@ std::string MemberInfo::sort_key() const {
   return fmt::format("{:04d}.{:07d}.{}", het_component, node_index, node_name);
 }
 
+RendezvousClosed::RendezvousClosed(const std::string& run_id, std::string reason)
+    : RendezvousError(fmt::format("rendezvous '{}' is closed: {}", run_id, reason)), reason_(std::move(reason)) {}
+
 Rendezvous::Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> heartbeat_kv,
                        RendezvousConfig config, MemberInfo me, StoreConnector connector)
     : kv_(std::move(kv)),
@@ -204,7 +207,7 @@ const RoundResult& Rendezvous::next_round() {
     try {
       if (store_lost_) fail_over();
       if (auto closed = kv_->get(prefix_ + "closed"))
-        throw RendezvousClosed(fmt::format("rendezvous '{}' is closed: {}", config_.run_id, closed->value));
+        throw RendezvousClosed(config_.run_id, closed->value);
       ensure_alive();
       gen = current_generation();
       // A generation we already ran is over: move everyone to the next one.

@@ -19,7 +19,7 @@ struct StoreClient::Impl {
   std::string endpoint;
   FrameDecoder decoder{kMaxResponseBytes};
   std::uint32_t next_id = 1;
-  Millis io_timeout{30000};
+  const Millis io_timeout{30000};  // a request's reply, beyond its own wait
 
   [[noreturn]] void lost(const std::string& why) {
     fd.reset();
@@ -113,7 +113,6 @@ StoreClient::~StoreClient() = default;
 StoreClient::StoreClient(StoreClient&&) noexcept = default;
 StoreClient& StoreClient::operator=(StoreClient&&) noexcept = default;
 
-void StoreClient::set_io_timeout(Millis timeout) { impl_->io_timeout = timeout; }
 
 std::uint64_t StoreClient::set(std::string_view key, std::string_view value, std::uint64_t lease) {
   Request r;

@@ -22,6 +22,7 @@ struct BootstrapPlan {
   std::uint16_t store_port = 0;
   std::vector<std::uint16_t> fallback_ports;
   bool host_store = false;  // this agent runs the embedded store
+  std::string bind_address = "0.0.0.0";  // where a hosted or standby store listens
 };
 
 struct BootstrapOverrides {
@@ -34,6 +35,23 @@ struct BootstrapOverrides {
 
 // Throws RendezvousError with a one-line explanation (e.g. no Slurm and no endpoint).
 BootstrapPlan plan_bootstrap(const DetectedEnv& env, const BootstrapOverrides& overrides);
+
+// --standalone: one node, a store on 127.0.0.1 hosted by this agent (run id defaults to
+// "standalone-<pid>").
+BootstrapPlan plan_standalone(const DetectedEnv& env, const BootstrapOverrides& overrides);
+
+// The stores an agent serves: the embedded store when the plan says it hosts it, otherwise a
+// standby store on any free port, to which the survivors fail over if the store host dies
+// (docs/rendezvous.md, "No single point of failure"). Sets plan.me.store_port to the port the
+// store got (for a hosted store, plan.store_port or one of the fallbacks). Throws StoreError.
+struct AgentStores {
+  std::unique_ptr<StoreServer> primary;  // this agent hosts the run's store
+  std::unique_ptr<StoreServer> standby;
+};
+AgentStores start_agent_stores(BootstrapPlan& plan, const AuthConfig& auth);
+
+// Opens store connections for Rendezvous's failover (StoreConnector).
+StoreConnector store_connector(const AuthConfig& auth, const std::string& run_id);
 
 // Connects to the store at plan.store_address, trying the port then each fallback (a store of
 // another run refuses us and is skipped), retrying until `patience` runs out (the host may

@@ -25,9 +25,14 @@ class RendezvousError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 // The job is over (an agent closed the rendezvous after success or a final failure).
+// what(): "rendezvous '<run>' is closed: <reason>"; reason(): what the closing agent gave.
 class RendezvousClosed : public RendezvousError {
  public:
-  using RendezvousError::RendezvousError;
+  RendezvousClosed(const std::string& run_id, std::string reason);
+  const std::string& reason() const { return reason_; }
+
+ private:
+  std::string reason_;
 };
 
 struct RendezvousConfig {
@@ -124,7 +129,6 @@ class Rendezvous {
   bool barrier(std::string_view name, Millis timeout);
 
   const RoundResult& current() const { return round_; }
-  const std::string& prefix() const { return prefix_; }
 
  private:
   std::uint64_t current_generation();

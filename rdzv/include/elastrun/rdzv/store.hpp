@@ -107,9 +107,6 @@ class StoreClient final : public KvBackend {
   void revoke_lease(std::uint64_t lease) override;
   std::uint64_t ping();  // the store's revision
 
-  // Give up on a request after this long (a watch or wait adds its own timeout on top).
-  void set_io_timeout(Millis timeout);
-
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

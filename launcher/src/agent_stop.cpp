@@ -1,0 +1,301 @@
+// The agent stopping for a checkpoint: CHECKPOINT_STOP (a time-limit or preemption signal, a
+// worker's exit 85, or another node's request), the checkpoint before a scale-up, and how the
+// agents agree on who requeues the job. docs/launcher.md, "Signals, checkpoint and requeue".
+#include <signal.h>
+
+#include <filesystem>
+#include <thread>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "agent.hpp"
+#include "elastrun/rdzv/slurm_api.hpp"
+#include "job_outcome.hpp"
+#include "requeue.hpp"
+
+namespace elastrun::launcher {
+
+namespace fs = std::filesystem;
+using elastrun::control::kCheckpointedExitCode;
+using rdzv::Change;
+
+namespace {
+
+// Workers killed by a signal: how long to wait for the agent's own copy of Slurm's signal.
+constexpr Millis kSlurmSignalSettle{300};
+// How often a multi-node agent looks for another agent's checkpoint-and-stop request.
+constexpr Millis kStopRequestPoll{1000};
+// Beyond --checkpoint-timeout: how long agents wait for each other after checkpointing.
+constexpr Millis kCheckpointBarrierSlack{30'000};
+
+FailureClass class_of_stop_signal(int sig) { return sig == SIGTERM ? FailureClass::Preempt : FailureClass::TimeLimit; }
+std::string_view why_of_stop_signal(int sig) {
+  return sig == SIGTERM ? "preemption or cancellation" : "time limit warning";
+}
+
+}  // namespace
+
+void Agent::ask_checkpoint_stop(int sig) {
+  stop_signal_ = sig;
+  stop_class_ = class_of_stop_signal(sig);
+  stop_reason_ = fmt::format("{} ({})", signal_name(sig), why_of_stop_signal(sig));
+}
+
+// True if every exit in `exits` is a death by SIGUSR1/SIGUSR2/SIGTERM and the agent itself
+// receives such a signal within kSlurmSignalSettle (then the stop is Slurm's, not a failure).
+// Sets the stop's class and reason.
+bool Agent::killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits) {
+  for (const auto& e : exits)
+    if (!is_checkpoint_signal(e.signal)) return false;
+  const auto deadline = Clock::now() + kSlurmSignalSettle;
+  int sig = 0;
+  while ((sig = signals_.checkpoint_signal()) == 0 && Clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (sig == 0) return false;
+  stop_signal_ = sig;
+  stop_class_ = class_of_stop_signal(sig);
+  stop_reason_ = fmt::format("{} ({}; it also killed {} worker(s) without a handler)", signal_name(sig),
+                             why_of_stop_signal(sig), exits.size());
+  return true;
+}
+
+// Another agent's checkpoint-and-stop request (published in the store), looked for once per
+// kStopRequestPoll: a node whose agent got no signal (or whose worker asked) stops with the rest.
+bool Agent::stop_requested_elsewhere() {
+  if (rdzv_->current().group_world_size <= 1) return false;
+  const auto now = Clock::now();
+  if (now < next_stop_poll_) return false;
+  next_stop_poll_ = now + kStopRequestPoll;
+  std::optional<std::string> request;
+  try {
+    request = rdzv_->read("stop-request");
+  } catch (const std::exception&) {
+    return false;  // the store is changing hands; the membership change will tell
+  }
+  if (!request) return false;
+  auto j = nlohmann::json::parse(*request, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) return false;
+  const auto cls = j.value("class", std::string());
+  stop_class_ = failure_class_from_string(cls).value_or(FailureClass::TimeLimit);
+  stop_signal_ = j.value("signal", 0);
+  stop_reason_ = fmt::format("requested by node {} ({})", j.value("node", std::string("?")), j.value("reason", std::string("?")));
+  return true;
+}
+
+// CHECKPOINT_STOP: ask the local workers to checkpoint and stop (control channel; the signal
+// too with --forward-signals), wait up to --checkpoint-timeout, meet the other agents, and on
+// group rank 0 requeue the job. Exits, or goes to SUCCEEDED when the workers finished instead.
+State Agent::checkpoint_stop() {
+  signals_.set_checkpoint_stopping(true);
+  const bool channel_read = fs::exists(control_path_ + elastrun::control::kSeenSuffix);
+  log_state("CHECKPOINT_STOP", fmt::format("class {}: {}", to_string(stop_class_), stop_reason_));
+  try {
+    nlohmann::json request = {{"class", std::string(to_string(stop_class_))}, {"node", plan_.me.node_name},
+                              {"reason", stop_reason_}, {"signal", stop_signal_}};
+    rdzv_->publish("stop-request", request.dump(), /*only_if_absent=*/true);
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: publishing the stop request to the other agents: {}", e.what());
+  }
+  bool written = true;
+  try {
+    write_control(elastrun::control::Request::CheckpointAndStop);
+  } catch (const std::exception& e) {
+    spdlog::error("error: {}; the workers cannot be asked to checkpoint", e.what());
+    written = false;
+  }
+  if (o_.forward_signals && stop_signal_) {
+    spdlog::info("forwarding {} to the workers (--forward-signals)", signal_name(stop_signal_));
+    group_->signal_all(stop_signal_);
+  }
+  std::vector<WorkerExit> exits = std::move(attempt_exits_);
+  attempt_exits_.clear();
+  if (((!channel_read || !written) && !o_.forward_signals) && !group_->all_exited()) {
+    spdlog::info("the workers never polled {} (elastrun/control.hpp, elastrun_control.py): stopping them without "
+                 "a checkpoint (grace {} ms)", control_path_, o_.stop_grace.count());
+  } else {
+    spdlog::info("wrote checkpoint-and-stop to {}; waiting up to {} s for the workers to exit {}", control_path_,
+                 o_.checkpoint_timeout.count() / 1000, kCheckpointedExitCode);
+    const auto deadline = Clock::now() + o_.checkpoint_timeout;
+    while (true) {
+      for (auto& e : group_->poll_exits()) {
+        if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
+        else if (e.ok()) spdlog::info("worker {} exited 0", e.global_rank);
+        else record(e);
+        exits.push_back(std::move(e));
+      }
+      if (group_->all_exited()) break;
+      if (int sig = signals_.stop_signal()) {
+        spdlog::info("received {} while waiting for the checkpoint: stopping the workers now", signal_name(sig));
+        break;
+      }
+      if (Clock::now() >= deadline) {
+        spdlog::warn("warning: the workers did not all exit within --checkpoint-timeout={} s: stopping them",
+                     o_.checkpoint_timeout.count() / 1000);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  for (auto& e : stop_workers(o_.stop_grace)) exits.push_back(std::move(e));
+  int checkpointed = 0, succeeded = 0;
+  for (const auto& e : exits) {
+    if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) ++checkpointed;
+    else if (e.ok()) ++succeeded;
+  }
+  const int local = o_.nproc_per_node;
+  if (succeeded == local) {
+    spdlog::info("every local worker finished (exit 0) instead of checkpointing: the job succeeded");
+    signals_.set_checkpoint_stopping(false);
+    return State::Succeeded;
+  }
+  const bool local_ok = checkpointed > 0 && checkpointed + succeeded == local;
+  spdlog::info("{} of {} local worker(s) checkpointed (exit {}), {} finished (exit 0)", checkpointed, local,
+               kCheckpointedExitCode, succeeded);
+  // group rank 0 requeues only when every node is done: a requeue kills the job's steps
+  const auto& round = rdzv_->current();
+  if (round.group_world_size > 1) {
+    bool everyone = false;
+    try {
+      everyone = rdzv_->barrier("checkpoint-stop", o_.checkpoint_timeout + kCheckpointBarrierSlack);
+    } catch (const std::exception& e) {
+      spdlog::warn("warning: checkpoint barrier: {}", e.what());
+    }
+    if (!everyone) spdlog::warn("warning: not every node reported its checkpoint done in time");
+  }
+  const int rc = local_ok ? kCheckpointedExitCode : stop_signal_ ? 128 + stop_signal_ : 1;
+  if (round.group_rank == 0) {
+    request_requeue(stop_class_, {}, stop_signal_);
+    try {
+      rdzv_->close(close_reason(JobOutcome::Checkpointed, to_string(stop_class_)));
+    } catch (const std::exception& e) {
+      spdlog::warn("warning: closing the rendezvous: {}", e.what());
+    }
+  }
+  spdlog::info("{}; exiting {}", local_ok ? "checkpointed and stopped" : "stopped without a complete checkpoint", rc);
+  return exit_with(rc);
+}
+
+// A node waits to join and every member is alive: the re-forming is planned, so workers that read
+// the control channel checkpoint and stop first (exit 85), and the larger round resumes from now
+// rather than from the last periodic checkpoint. Every agent of the round sees the same waiting
+// node and asks its own workers, so a collective save finds all ranks. Any other change meanwhile
+// (a member lost: a collective would hang; a new round; a close) stops the workers at once.
+// Returns the change to act on.
+Change Agent::checkpoint_before_scale_up() {
+  if (!fs::exists(control_path_ + elastrun::control::kSeenSuffix)) {
+    spdlog::info("scale-up: the workers never polled {}: re-forming without a checkpoint", control_path_);
+    return Change::MemberWaiting;
+  }
+  try {
+    write_control(elastrun::control::Request::CheckpointAndStop);
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: {}; re-forming without a checkpoint", e.what());
+    return Change::MemberWaiting;
+  }
+  spdlog::info("scale-up: asked the workers to checkpoint and stop before re-forming (up to {} s)",
+               o_.checkpoint_timeout.count() / 1000);
+  const auto deadline = Clock::now() + o_.checkpoint_timeout;
+  int checkpointed = 0;
+  while (true) {
+    for (const auto& e : group_->poll_exits()) {
+      if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) {
+        ++checkpointed;
+        spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
+      } else if (e.ok()) {
+        spdlog::info("worker {} exited 0", e.global_rank);
+      } else {
+        // not counted against --max-restarts: the round is being re-formed anyway
+        spdlog::warn("warning: worker {} {} during the scale-up checkpoint", e.global_rank,
+                     e.signal ? fmt::format("died of {}", signal_name(e.signal)) : fmt::format("exited {}", e.exit_code));
+      }
+    }
+    if (group_->all_exited()) {
+      spdlog::info("scale-up: {} of {} local worker(s) checkpointed", checkpointed, o_.nproc_per_node);
+      break;
+    }
+    if (signals_.stop_signal() || signals_.checkpoint_signal()) return Change::MemberWaiting;  // the next state handles it
+    if (Clock::now() >= deadline) {
+      spdlog::warn("warning: the workers did not all checkpoint within --checkpoint-timeout={} s: stopping them",
+                   o_.checkpoint_timeout.count() / 1000);
+      return Change::MemberWaiting;
+    }
+    if (const Change c = rdzv_->wait_for_change(Millis(50)); c != Change::None && c != Change::MemberWaiting) {
+      spdlog::info("scale-up: {} during the checkpoint: stopping the workers now", to_string(c));
+      return c;
+    }
+  }
+  // Wait for the other nodes' workers too: the first agent to re-form would otherwise start the
+  // next round and make the others stop workers that are still saving.
+  const auto& round = rdzv_->current();
+  if (round.group_world_size <= 1) return Change::MemberWaiting;
+  try {
+    const auto key = fmt::format("scale-up-checkpoint/{}", round.generation);
+    auto done = rdzv_->add_to_counter(key, 1);
+    for (; done < round.group_world_size; done = rdzv_->add_to_counter(key, 0)) {
+      if (Clock::now() >= deadline) {
+        spdlog::warn("warning: {} of {} node(s) finished the scale-up checkpoint within --checkpoint-timeout; re-forming",
+                     done, round.group_world_size);
+        break;
+      }
+      if (const Change c = rdzv_->wait_for_change(Millis(50)); c != Change::None && c != Change::MemberWaiting) {
+        // a node that saw everyone done first starts the next round (Reform): not an interruption
+        if (rdzv_->add_to_counter(key, 0) >= round.group_world_size) {
+          spdlog::info("scale-up: every node checkpointed; re-forming");
+        } else {
+          spdlog::info("scale-up: {} while waiting for the other nodes' checkpoint", to_string(c));
+        }
+        return c;
+      }
+    }
+    if (done >= round.group_world_size) spdlog::info("scale-up: every node checkpointed; re-forming");
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: waiting for the other nodes' scale-up checkpoint: {}", e.what());
+  }
+  return Change::MemberWaiting;
+}
+
+bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal) {
+  return requeue_job(env_.slurm ? &*env_.slurm : nullptr, o_, cls, exclude, signal);
+}
+
+// Group rank 0, after the job failed for good: requeue when the agent that gave up asked for it
+// (class app: --max-restarts used up) and the class budget allows.
+void Agent::requeue_failed_job() {
+  if (!env_.slurm || rdzv_->current().group_world_size == 0 || rdzv_->current().group_rank != 0) return;
+  std::optional<std::string> request;
+  try {
+    request = rdzv_->read("requeue-request");
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: reading the requeue request: {}", e.what());
+    return;
+  }
+  if (!request) return;
+  signals_.set_checkpoint_stopping(true);  // Slurm's SIGTERM after our requeue must not cut the exclusion short
+  request_requeue(FailureClass::App, {}, 0);
+}
+
+// The survivors of a node loss could not form a round of --nnodes MIN: one of them (the first
+// to claim it in the store) requeues the job, excluding the members Slurm reports down.
+void Agent::requeue_after_node_loss() {
+  if (!env_.slurm) return;
+  std::vector<std::string> lost;
+  for (const auto& m : rdzv_->current().members())
+    if (m.node_name != plan_.me.node_name && rdzv::slurm_node_is_down(m.node_name).value_or(false))
+      lost.push_back(m.node_name);
+  bool mine = false;
+  try {
+    mine = rdzv_->publish("requeue-claim", plan_.me.node_name, /*only_if_absent=*/true);
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: claiming the requeue: {}", e.what());
+  }
+  if (!mine) {
+    spdlog::info("another survivor handles the requeue");
+    return;
+  }
+  signals_.set_checkpoint_stopping(true);
+  request_requeue(FailureClass::Node, lost, 0);
+}
+
+}  // namespace elastrun::launcher
