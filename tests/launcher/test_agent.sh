@@ -15,51 +15,35 @@
 #   two_agents two agents on this machine (--rdzv-endpoint, no Slurm): a worker failure on one
 #              restarts both (RESTART_COUNT=1); kill -9 of one -> the other re-forms alone and finishes
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 case_name=$1
 elastrun=$2
 worker=$3
-work=$(mktemp -d)
-# Agents keep per-run files under $TMPDIR; an agent killed with -9 cannot remove them.
-mkdir -p "$work/tmp" && export TMPDIR="$work/tmp"
-agent_pid=
-cleanup() {
-  if [[ -n $agent_pid ]] && kill -0 "$agent_pid" 2>/dev/null; then kill -KILL "$agent_pid" 2>/dev/null; fi
-  # no test leaves a worker behind: kill whatever recorded pid is still one of ours (checked)
-  for f in "$work"/out/pids/*; do
-    [[ -e $f ]] || continue
-    p=${f##*/}
-    if [[ -r /proc/$p/cmdline ]] && tr '\0' ' ' <"/proc/$p/cmdline" | grep -q launcher_test_worker; then
-      kill -KILL "$p" 2>/dev/null
-    fi
-  done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL[$case_name]: $*" >&2
-  for f in "$work"/stdout "$work"/stderr; do [[ -e $f ]] && { echo "--- ${f##*/}" >&2; tail -40 "$f" >&2; }; done
-  exit 1
-}
-mkdir -p "$work/out" "$work/tmp"
-export TEST_WORKER_OUT_DIR=$work/out
-export TMPDIR=$work/tmp  # the agents' error-file dirs (left behind only by kill -9 of an agent)
+FAIL_TAG=$case_name
+# Agents keep per-run files under $TMPDIR (the agents' error-file dirs); an agent killed with -9
+# cannot remove them. No test leaves a worker behind: at exit, whatever recorded pid is still one of
+# ours (checked) is killed.
+worker_sandbox launcher_test_worker
+work=$SANDBOX
+show_on_failure 40 "$work/stdout" "$work/stderr"
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID
-for v in $(compgen -e | grep -E '^(SLURM_|PET_|PMI_|PMIX_|OMPI_)'); do unset "$v"; done
+unset_env '^(SLURM_|PET_|PMI_|PMIX_|OMPI_)'
 
-json() { # json FILE EXPR: evaluate a python expression on the JSON object `d` of FILE
-  /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2"
-}
-alive_workers() { # pids recorded by workers that still run
-  local n=0
-  for f in "$work"/out/pids/*; do
-    [[ -e $f ]] || continue
-    p=${f##*/}
-    if [[ -r /proc/$p/cmdline ]] && tr '\0' ' ' <"/proc/$p/cmdline" | grep -q launcher_test_worker &&
-       ! grep -q '^State:.*Z' "/proc/$p/status" 2>/dev/null; then
-      echo "$p"; n=$((n + 1))
-    fi
-  done
-  return 0
+alive_workers() { alive_recorded_pids "$work/out/pids" launcher_test_worker; } # workers that still run
+no_alive_workers() { [[ -z $(alive_workers) ]]; }
+# agent_pair ARGS_A... -- ARGS_B...: agent a in the background and agent b, output in $work/a.out,
+# a.err, b.out, b.err; sets rc_a and rc_b once both exited; $work/stderr gets both stderrs (for fail)
+agent_pair() {
+  local args_a=() pid
+  while [[ $1 != -- ]]; do args_a+=("$1"); shift; done
+  shift
+  "$elastrun" "${args_a[@]}" >"$work/a.out" 2>"$work/a.err" &
+  pid=$!
+  track_pid "$pid"
+  "$elastrun" "$@" >"$work/b.out" 2>"$work/b.err"
+  rc_b=$?
+  await "$pid"; rc_a=$?
+  cat "$work/a.err" "$work/b.err" >"$work/stderr"
 }
 
 case $case_name in
@@ -147,23 +131,23 @@ bad_flags)
 kill9)
   TEST_WORKER_SLEEP=60 "$elastrun" --standalone --nproc-per-node 3 "$worker" >"$work/stdout" 2>"$work/stderr" &
   agent_pid=$!
-  for _ in $(seq 100); do [[ $(ls "$work/out/pids" 2>/dev/null | wc -l) -eq 3 ]] && break; sleep 0.1; done
+  track_pid "$agent_pid"
+  wait_for -i 0.1 10 have_files 3 "$work/out/pids/*"
   [[ $(ls "$work/out/pids" | wc -l) -eq 3 ]] || fail "3 workers did not start"
-  kill -KILL "$agent_pid"
-  wait "$agent_pid" 2>/dev/null
-  for _ in $(seq 50); do [[ -z $(alive_workers) ]] && break; sleep 0.1; done
+  stop_pid "$agent_pid"
+  wait_for -i 0.1 5 no_alive_workers
   [[ -z $(alive_workers) ]] || fail "workers alive 5 s after kill -9 of the agent: $(alive_workers)"
   echo "ok: kill -9 of the agent leaves no worker"
   ;;
 sigterm)
   TEST_WORKER_SLEEP=60 "$elastrun" --standalone --nproc-per-node 2 --stop-grace 2 "$worker" >"$work/stdout" 2>"$work/stderr" &
   agent_pid=$!
-  for _ in $(seq 100); do [[ $(ls "$work/out/pids" 2>/dev/null | wc -l) -eq 2 ]] && break; sleep 0.1; done
+  track_pid "$agent_pid"
+  wait_for -i 0.1 10 have_files 2 "$work/out/pids/*"
   [[ $(ls "$work/out/pids" | wc -l) -eq 2 ]] || fail "2 workers did not start"
   start=$SECONDS
   kill -TERM "$agent_pid"
-  wait "$agent_pid"; rc=$?
-  agent_pid=
+  await "$agent_pid"; rc=$?
   [[ $rc -eq 143 ]] || fail "exit $rc, expected 143"
   ((SECONDS - start <= 5)) || fail "took $((SECONDS - start)) s to stop"
   [[ -z $(alive_workers) ]] || fail "workers alive after SIGTERM: $(alive_workers)"
@@ -225,24 +209,16 @@ orphans)
   echo "ok: grandchildren that left the process group are killed"
   ;;
 etcd)
-  command -v etcd >/dev/null || { echo "skip: etcd is not installed (Debian etcd-server)"; exit 77; }
-  free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+  command -v etcd >/dev/null || skip "etcd is not installed (Debian etcd-server)"
   client=$(free_port); peer=$(free_port)
   etcd --name t --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$client" \
     --advertise-client-urls "http://127.0.0.1:$client" --listen-peer-urls "http://127.0.0.1:$peer" \
     --initial-advertise-peer-urls "http://127.0.0.1:$peer" --initial-cluster "t=http://127.0.0.1:$peer" \
     >"$work/etcd.log" 2>&1 &
-  etcd_pid=$!
-  trap 'kill -TERM $etcd_pid 2>/dev/null; wait $etcd_pid 2>/dev/null; cleanup' EXIT
-  for _ in $(seq 100); do curl -fs "http://127.0.0.1:$client/health" >/dev/null 2>&1 && break; sleep 0.1; done
+  track_pid -s TERM $!
+  wait_for -i 0.1 10 curl -fso /dev/null "http://127.0.0.1:$client/health"
   common=(--rdzv-backend=etcd --rdzv-endpoint=127.0.0.1:$client --rdzv-id=e1 --nnodes=2 --nproc-per-node=2)
-  "$elastrun" "${common[@]}" --node-rank=0 "$worker" >"$work/a.out" 2>"$work/a.err" &
-  agent_pid=$!
-  "$elastrun" "${common[@]}" --node-rank=1 "$worker" >"$work/b.out" 2>"$work/b.err"
-  rc_b=$?
-  wait "$agent_pid"; rc_a=$?
-  agent_pid=
-  cp "$work/a.err" "$work/stderr"; cat "$work/b.err" >>"$work/stderr"
+  agent_pair "${common[@]}" --node-rank=0 "$worker" -- "${common[@]}" --node-rank=1 "$worker"
   [[ $rc_a -eq 0 && $rc_b -eq 0 ]] || fail "agents exited $rc_a/$rc_b"
   for r in 0 1 2 3; do
     f=$(ls "$work"/out/rank$r.gen*.json 2>/dev/null | head -1)
@@ -253,19 +229,12 @@ etcd)
   echo "ok: two agents over etcd"
   ;;
 two_agents)
-  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
   common=(--nproc-per-node=2 --rdzv-endpoint=127.0.0.1:$port --rdzv-auth=none --monitor-interval=0.05)
   # 1. rank 3 (on the second agent) fails once: both agents restart, budget 1 used
-  TEST_WORKER_FAIL_RANK=3 TEST_WORKER_FAIL_ONCE=$work/failed-once TEST_WORKER_SLEEP=1 \
-    "$elastrun" --nnodes=2 --rdzv-id=t1 --rdzv-conf=is_host=1 --node-rank=0 --max-restarts=1 "${common[@]}" "$worker" \
-    >"$work/a.out" 2>"$work/a.err" &
-  agent_pid=$!
-  TEST_WORKER_FAIL_RANK=3 TEST_WORKER_FAIL_ONCE=$work/failed-once TEST_WORKER_SLEEP=1 \
-    "$elastrun" --nnodes=2 --rdzv-id=t1 --node-rank=1 --max-restarts=1 "${common[@]}" "$worker" >"$work/b.out" 2>"$work/b.err"
-  rc_b=$?
-  wait "$agent_pid"; rc_a=$?
-  agent_pid=
-  cp "$work/a.err" "$work/stderr"; cat "$work/b.err" >>"$work/stderr"
+  TEST_WORKER_FAIL_RANK=3 TEST_WORKER_FAIL_ONCE=$work/failed-once TEST_WORKER_SLEEP=1 agent_pair \
+    --nnodes=2 --rdzv-id=t1 --rdzv-conf=is_host=1 --node-rank=0 --max-restarts=1 "${common[@]}" "$worker" -- \
+    --nnodes=2 --rdzv-id=t1 --node-rank=1 --max-restarts=1 "${common[@]}" "$worker"
   [[ $rc_a -eq 0 && $rc_b -eq 0 ]] || fail "agents exited $rc_a/$rc_b after one failure"
   for r in 0 1 2 3; do
     last=$(ls "$work"/out/rank$r.gen*.json | sort -V | tail -1)
@@ -282,36 +251,28 @@ two_agents)
   TEST_WORKER_SLEEP=60 TEST_WORKER_SLEEP_WORLD_SIZE=4 \
     "$elastrun" --nnodes=1:2 --rdzv-id=t2 --node-rank=1 "${common[@]}" "$worker" >"$work/b.out" 2>"$work/b.err" &
   b_pid=$!
-  for _ in $(seq 200); do [[ $(ls "$work"/out/rank*.gen*.json 2>/dev/null | wc -l) -ge 4 ]] && break; sleep 0.1; done
+  track_pid "$agent_pid" "$b_pid"
+  wait_for -i 0.1 20 have_files 4 "$work/out/rank*.gen*.json"
   [[ $(ls "$work"/out/rank*.json 2>/dev/null | wc -l) -ge 4 ]] || { cp "$work/a.err" "$work/stderr"; fail "4 workers did not start"; }
-  kill -KILL "$b_pid"
-  wait "$b_pid" 2>/dev/null
+  stop_pid "$b_pid"
   start=$SECONDS
-  wait "$agent_pid"; rc_a=$?
-  agent_pid=
+  await "$agent_pid"; rc_a=$?
   cp "$work/a.err" "$work/stderr"
   [[ $rc_a -eq 0 ]] || fail "surviving agent exited $rc_a"
   ((SECONDS - start < 30)) || fail "survivor took $((SECONDS - start)) s"
   grep -q "state MEMBERSHIP_CHANGED member lost" "$work/a.err" || fail "no member-lost change"
   [[ $(ls "$work"/out/rank*.json | xargs cat | grep -c '"WORLD_SIZE":"2"') -eq 2 ]] || fail "no WORLD_SIZE 2 restart"
-  for _ in $(seq 50); do [[ -z $(alive_workers) ]] && break; sleep 0.1; done
+  wait_for -i 0.1 5 no_alive_workers
   [[ -z $(alive_workers) ]] || fail "workers of the killed agent survive: $(alive_workers)"
   # 3. rank 3 always fails, --max-restarts=0: its agent closes the rendezvous; both exit 1
   rm -rf "$work"/out/*
-  TEST_WORKER_FAIL_RANK=3 TEST_WORKER_FAIL_AFTER=0.5 TEST_WORKER_SLEEP=60 \
-    "$elastrun" --nnodes=2 --rdzv-id=t3 --rdzv-conf=is_host=1 --node-rank=0 "${common[@]}" "$worker" \
-    >"$work/a.out" 2>"$work/a.err" &
-  agent_pid=$!
-  TEST_WORKER_FAIL_RANK=3 TEST_WORKER_FAIL_AFTER=0.5 TEST_WORKER_SLEEP=60 \
-    "$elastrun" --nnodes=2 --rdzv-id=t3 --node-rank=1 "${common[@]}" "$worker" >"$work/b.out" 2>"$work/b.err"
-  rc_b=$?
-  wait "$agent_pid"; rc_a=$?
-  agent_pid=
-  cp "$work/a.err" "$work/stderr"; cat "$work/b.err" >>"$work/stderr"
+  TEST_WORKER_FAIL_RANK=3 TEST_WORKER_FAIL_AFTER=0.5 TEST_WORKER_SLEEP=60 agent_pair \
+    --nnodes=2 --rdzv-id=t3 --rdzv-conf=is_host=1 --node-rank=0 "${common[@]}" "$worker" -- \
+    --nnodes=2 --rdzv-id=t3 --node-rank=1 "${common[@]}" "$worker"
   [[ $rc_a -eq 1 && $rc_b -eq 1 ]] || fail "agents exited $rc_a/$rc_b, expected 1/1 when the budget is used up"
   grep -q "root cause (first failure)" "$work/b.err" || fail "no summary on the failing agent"
   grep -q "is closed: failed: rank 3 .*exited with code 3" "$work/a.err" || fail "the other agent does not report the root cause"
-  for _ in $(seq 50); do [[ -z $(alive_workers) ]] && break; sleep 0.1; done
+  wait_for -i 0.1 5 no_alive_workers
   [[ -z $(alive_workers) ]] || fail "workers left alive: $(alive_workers)"
   echo "ok: two agents: failure restarts both; kill -9 of one -> the other re-forms and finishes; budget used up -> both exit 1"
   ;;

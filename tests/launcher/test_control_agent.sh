@@ -22,59 +22,43 @@
 #               --scale-up-checkpoint=false: re-formed without any checkpoint
 #   bad_flags   bad --requeue-budget / --checkpoint-timeout: one error line, exit 2
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 case_name=$1
 elastrun=$2
 worker=$3
 source_dir=$4
-work=$(mktemp -d)
-mkdir -p "$work/out" "$work/tmp"
-export TMPDIR=$work/tmp TEST_WORKER_OUT_DIR=$work/out
+FAIL_TAG=$case_name
+worker_sandbox 'launcher_test_worker|test_control_python'
+work=$SANDBOX
+show_on_failure 40 "$work/*.out" "$work/*.err"
 pids=()
-cleanup() {
-  for p in "${pids[@]}"; do
-    if kill -0 "$p" 2>/dev/null; then kill -KILL "$p" 2>/dev/null; wait "$p" 2>/dev/null; fi
-  done
-  for f in "$work"/out/pids/*; do
-    [[ -e $f ]] || continue
-    p=${f##*/}
-    if [[ -r /proc/$p/cmdline ]] && tr '\0' ' ' <"/proc/$p/cmdline" | grep -qE 'launcher_test_worker|test_control_python'; then
-      kill -KILL "$p" 2>/dev/null
-    fi
-  done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL[$case_name]: $*" >&2
-  for f in "$work"/*.out "$work"/*.err; do [[ -e $f ]] && { echo "--- ${f##*/}" >&2; tail -40 "$f" >&2; }; done
-  exit 1
-}
 unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID
-for v in $(compgen -e | grep -E '^(SLURM_|PET_|PMI_|PMIX_|OMPI_|ELASTRUN_)'); do unset "$v"; done
+unset_env '^(SLURM_|PET_|PMI_|PMIX_|OMPI_|ELASTRUN_)'
 
-json() { /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2"; }
-alive_workers() {
-  for f in "$work"/out/pids/*; do
-    [[ -e $f ]] || continue
-    p=${f##*/}
-    if [[ -r /proc/$p/cmdline ]] && tr '\0' ' ' <"/proc/$p/cmdline" | grep -q launcher_test_worker &&
-       ! grep -q '^State:.*Z' "/proc/$p/status" 2>/dev/null; then echo "$p"; fi
-  done
-}
-wait_files() { # wait_files GLOB COUNT: until COUNT files match (60 s)
-  for _ in $(seq 600); do [[ $(compgen -G "$1" | wc -l) -ge $2 ]] && return 0; sleep 0.1; done
-  return 1
-}
+alive_workers() { alive_recorded_pids "$work/out/pids" launcher_test_worker; }
+wait_files() { wait_for -i 0.1 60 have_files "$2" "$1"; } # wait_files GLOB COUNT: until COUNT files match (60 s)
 # start_agent NAME ARGS...: the agent in the background, output in $work/NAME.out/.err
 start_agent() {
   local name=$1; shift
   "$elastrun" "$@" >"$work/$name.out" 2>"$work/$name.err" &
   pids+=($!)
+  track_pid $!
 }
 finish() { # finish PID: its exit code (waits up to 120 s, then fails)
-  for _ in $(seq 1200); do kill -0 "$1" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "$1" 2>/dev/null && fail "agent $1 did not exit"
-  wait "$1"
+  wait_for -i 0.1 120 exited "$1" || fail "agent $1 did not exit"
+  await "$1"
+}
+signal_agent() { kill -"$1" "${pids[0]}"; finish "${pids[0]}"; } # signal_agent SIG: the first agent's exit code
+# sleeping_agent ARGS...: agent a (--standalone --nproc-per-node 2 ARGS... worker) whose 2 workers
+# sleep (120 s); returns once both run
+sleeping_agent() {
+  TEST_WORKER_SLEEP=120 start_agent a --standalone --nproc-per-node 2 "$@" "$worker"
+  wait_files "$work/out/rank*.json" 2 || fail "2 workers did not start"
+}
+# python_agent MODE: an agent whose 2 workers run test_control_python.py MODE
+python_agent() {
+  PYTHONPATH=$source_dir/launcher/python ELASTRUN_PYTHON=/usr/bin/python3 start_agent a --standalone \
+    --nproc-per-node 2 "$source_dir/tests/launcher/test_control_python.py" "$1"
 }
 check_checkpointed() { # check_checkpointed RANK... : each wrote its checkpoint marker from the channel
   for r in "$@"; do
@@ -87,12 +71,9 @@ check_checkpointed() { # check_checkpointed RANK... : each wrote its checkpoint 
 case $case_name in
 usr1 | sigterm)
   sig=USR1; [[ $case_name == sigterm ]] && sig=TERM
-  TEST_WORKER_POLL_CONTROL=1 TEST_WORKER_SLEEP=120 start_agent a --standalone --nproc-per-node 2 \
-    --checkpoint-dir "$work/ckpt" "$worker"
-  wait_files "$work/out/rank*.json" 2 || fail "2 workers did not start"
+  TEST_WORKER_POLL_CONTROL=1 sleeping_agent --checkpoint-dir "$work/ckpt"
   sleep 0.5  # the workers' first poll (leaves the .seen marker) happens right after their start
-  kill -$sig "${pids[0]}"
-  finish "${pids[0]}"; rc=$?
+  signal_agent $sig; rc=$?
   [[ $rc -eq 85 ]] || fail "exit $rc, expected 85"
   check_checkpointed 0 1
   for r in 0 1; do
@@ -107,10 +88,8 @@ usr1 | sigterm)
   echo "ok: SIG$sig -> checkpoint-and-stop via the control file -> workers exit 85 -> agent exits 85"
   ;;
 legacy)
-  TEST_WORKER_SLEEP=120 start_agent a --standalone --nproc-per-node 2 --stop-grace 2 "$worker"
-  wait_files "$work/out/rank*.json" 2 || fail "2 workers did not start"
-  kill -USR1 "${pids[0]}"
-  finish "${pids[0]}"; rc=$?
+  sleeping_agent --stop-grace 2
+  signal_agent USR1; rc=$?
   [[ $rc -eq 138 ]] || fail "exit $rc, expected 138 (128 + SIGUSR1)"
   grep -q "never polled" "$work/a.err" || fail "no 'never polled' line"
   [[ -z $(alive_workers) ]] || fail "workers alive: $(alive_workers)"
@@ -118,8 +97,7 @@ legacy)
   ;;
 step_signal)
   # like Slurm's --signal/scancel: SIGUSR1 to every process (workers without a handler die of it)
-  TEST_WORKER_SLEEP=120 start_agent a --standalone --nproc-per-node 2 --max-restarts 3 "$worker"
-  wait_files "$work/out/rank*.json" 2 || fail "2 workers did not start"
+  sleeping_agent --max-restarts 3
   kill -USR1 $(ls "$work/out/pids") "${pids[0]}"
   finish "${pids[0]}"; rc=$?
   [[ $rc -eq 138 ]] || fail "exit $rc, expected 138 (stopped by SIGUSR1, no checkpoint)"
@@ -129,11 +107,8 @@ step_signal)
   echo "ok: SIGUSR1 to agent and workers: no restart, stop, exit 138"
   ;;
 forward)
-  TEST_WORKER_POLL_CONTROL=1 TEST_WORKER_SLEEP=120 start_agent a --standalone --nproc-per-node 2 \
-    --forward-signals "$worker"
-  wait_files "$work/out/rank*.json" 2 || fail "2 workers did not start"
-  kill -USR1 "${pids[0]}"
-  finish "${pids[0]}"; rc=$?
+  TEST_WORKER_POLL_CONTROL=1 sleeping_agent --forward-signals
+  signal_agent USR1; rc=$?
   [[ $rc -eq 85 ]] || fail "exit $rc, expected 85"
   grep -q "forwarding SIGUSR1 to the workers" "$work/a.err" || fail "no forwarding line"
   for r in 0 1; do [[ -e $work/out/checkpoint.rank$r.json ]] || fail "rank $r did not checkpoint"; done
@@ -150,17 +125,15 @@ worker_exit)
   echo "ok: a worker's own exit 85 stops the others through the channel; exit 85"
   ;;
 python)
-  [[ -x /usr/bin/python3 ]] || { echo "skip: no /usr/bin/python3"; exit 77; }
+  [[ -x /usr/bin/python3 ]] || skip "no /usr/bin/python3"
   PYTHONPATH=$source_dir/launcher/python ELASTRUN_PYTHON=/usr/bin/python3 \
     /usr/bin/python3 "$source_dir/tests/launcher/test_control_python.py" unit >"$work/unit.out" 2>&1 ||
     { cat "$work/unit.out" >&2; fail "python unit checks failed"; }
-  PYTHONPATH=$source_dir/launcher/python ELASTRUN_PYTHON=/usr/bin/python3 start_agent a --standalone \
-    --nproc-per-node 2 "$source_dir/tests/launcher/test_control_python.py" worker
+  python_agent worker
   # the .seen marker shows both python workers are polling
   wait_files "$work/tmp/elastrun-*/attempt_0/control.seen" 1 || fail "python workers never polled the channel"
   sleep 1
-  kill -USR1 "${pids[0]}"
-  finish "${pids[0]}"; rc=$?
+  signal_agent USR1; rc=$?
   [[ $rc -eq 85 ]] || fail "exit $rc, expected 85"
   for r in 0 1; do
     [[ $(json "$work/out/checkpoint.rank$r.json" 'd["request"], d["sequence"], d["signal"], d["python"]') == "('checkpoint-and-stop', 1, 0, True)" ]] ||
@@ -169,13 +142,11 @@ python)
   echo "ok: python helper: unit checks; SIGUSR1 -> python workers exit 85 -> agent exits 85"
   ;;
 torch)
-  /usr/bin/python3 -c 'import torch' 2>/dev/null || { echo "skip: no python3-torch"; exit 77; }
-  PYTHONPATH=$source_dir/launcher/python ELASTRUN_PYTHON=/usr/bin/python3 start_agent a --standalone \
-    --nproc-per-node 2 "$source_dir/tests/launcher/test_control_python.py" torch
+  /usr/bin/python3 -c 'import torch' 2>/dev/null || skip "no python3-torch"
+  python_agent torch
   wait_files "$work/out/started.rank*" 2 || fail "the torch workers did not start"
   sleep 1
-  kill -USR1 "${pids[0]}"
-  finish "${pids[0]}"; rc=$?
+  signal_agent USR1; rc=$?
   [[ $rc -eq 85 ]] || fail "exit $rc, expected 85"
   s0=$(json "$work/out/checkpoint.rank0.json" 'd["step"]')
   s1=$(json "$work/out/checkpoint.rank1.json" 'd["step"]')
@@ -183,7 +154,7 @@ torch)
   echo "ok: gloo ranks agree through poll_all(): both stopped after step $s0, exit 85"
   ;;
 two_agents | summary)
-  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  port=$(free_port)
   common=(--nnodes=2 --nproc-per-node=2 --rdzv-endpoint=127.0.0.1:$port --rdzv-auth=none --rdzv-id=$case_name)
   if [[ $case_name == two_agents ]]; then
     export TEST_WORKER_POLL_CONTROL=1 TEST_WORKER_SLEEP=120
@@ -220,7 +191,7 @@ two_agents | summary)
 scale_up)
   for mode in true false; do
     rm -rf "$work"/out/* && mkdir -p "$work/out"
-    port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    port=$(free_port)
     common=(--nnodes=2:3 --nproc-per-node=2 --rdzv-endpoint=127.0.0.1:$port --rdzv-auth=none --rdzv-id=scale-$mode
             --monitor-interval=0.05 --scale-up-checkpoint=$mode)
     # 4-worker round: poll the channel for up to 120 s; the 6-worker round: exit 0 at once

@@ -2,6 +2,7 @@
 # `elastrun env` on bad input: one clear stderr line naming the variable, non-zero exit;
 # on good input: valid JSON. Usage: test_env_cli.sh path/to/elastrun
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 elastrun=$1
 failures=0
 

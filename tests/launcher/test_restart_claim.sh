@@ -5,23 +5,12 @@
 # second attempt) and succeed: the agents must not each count the same round's failure.
 # Usage: test_restart_claim.sh path/to/elastrun
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 elastrun=$1
-for v in $(compgen -e | grep -E '^(SLURM_|PET_|RANK$|WORLD_SIZE$|MASTER_|TORCHELASTIC_)'); do unset "$v"; done
-work=$(mktemp -d)
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do
-    if kill -0 "$p" 2>/dev/null; then kill -KILL "$p" 2>/dev/null || true; fi
-    wait "$p" 2>/dev/null || true
-  done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-fail() {
-  echo "FAIL: $*" >&2
-  for f in "$work"/*.err; do echo "--- $f" >&2; cat "$f" >&2; done
-  exit 1
-}
+unset_env '^(SLURM_|PET_|RANK$|WORLD_SIZE$|MASTER_|TORCHELASTIC_)'
+sandbox
+work=$SANDBOX
+show_on_failure all "$work/*.err"
 cat >"$work/worker.sh" <<EOF
 #!/bin/sh
 echo "\$RANK \$WORLD_SIZE \$TORCHELASTIC_RESTART_COUNT" > "$work/rank\$RANK.attempt\$TORCHELASTIC_RESTART_COUNT"
@@ -29,7 +18,7 @@ echo "\$RANK \$WORLD_SIZE \$TORCHELASTIC_RESTART_COUNT" > "$work/rank\$RANK.atte
 exit 0
 EOF
 chmod 755 "$work/worker.sh"
-port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+port=$(free_port)
 for round in 1 2 3 4 5; do
   rm -f "$work"/rank*
   common=(--nnodes=2 --nproc-per-node=2 --rdzv-endpoint=127.0.0.1:$port --rdzv-id=claim$round
@@ -39,10 +28,11 @@ for round in 1 2 3 4 5; do
   pids+=($!)
   "$elastrun" "${common[@]}" --node-rank=1 "$work/worker.sh" >/dev/null 2>"$work/b.err" &
   pids+=($!)
+  track_pid "${pids[@]}"
   rc=()
   for p in "${pids[@]}"; do
     timeout 60 tail --pid="$p" -f /dev/null
-    wait "$p"
+    await "$p"
     rc+=($?)
   done
   [[ ${rc[*]} == "0 0" ]] || fail "round $round: agents exited ${rc[*]} (the one failed round was counted twice?)"

@@ -5,30 +5,31 @@
 # at once (no gloo timeout), restarts both, and the second attempt succeeds.
 # Exit 77 (skipped) when that interpreter has no torch. Usage: test_torch_gloo.sh path/to/elastrun
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 elastrun=$1
 here=$(cd "$(dirname "$0")" && pwd)
 py=${ELASTRUN_TEST_PYTHON:-/usr/bin/python3}
-"$py" -c 'import torch.distributed' 2>/dev/null || { echo "skip: $py has no torch"; exit 77; }
-for v in $(compgen -e | grep -E '^(SLURM_|PET_|RANK$|WORLD_SIZE$|MASTER_)'); do unset "$v"; done
-log=$(mktemp)
-marker=$(mktemp -u)
-trap 'rm -f "$log" "$marker"' EXIT
+"$py" -c 'import torch.distributed' 2>/dev/null || skip "$py has no torch"
+unset_env '^(SLURM_|PET_|RANK$|WORLD_SIZE$|MASTER_)'
+sandbox
+log=$SANDBOX/log
+marker=$SANDBOX/marker
 ELASTRUN_PYTHON=$py timeout 150 "$elastrun" --standalone --nproc-per-node 2 "$here/gloo_allreduce.py" >"$log" 2>&1
 rc=$?
 cat "$log"
-[[ $rc -eq 0 ]] || { echo "FAIL: exit $rc"; exit 1; }
+[[ $rc -eq 0 ]] || fail "exit $rc"
 for r in 0 1; do
-  grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 0" "$log" || { echo "FAIL: rank $r did not all-reduce"; exit 1; }
+  grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 0" "$log" || fail "rank $r did not all-reduce"
 done
 start=$SECONDS
 GLOO_TEST_CRASH_ONCE=$marker ELASTRUN_PYTHON=$py timeout 150 "$elastrun" --standalone --nproc-per-node 2 --max-restarts 1 \
   "$here/gloo_allreduce.py" >"$log" 2>&1
 rc=$?
 cat "$log"
-[[ $rc -eq 0 ]] || { echo "FAIL: crash-once run exited $rc"; exit 1; }
-grep -q "state FAILED rank 1 .*exited with code 9" "$log" || { echo "FAIL: no FAILED line for rank 1"; exit 1; }
+[[ $rc -eq 0 ]] || fail "crash-once run exited $rc"
+grep -q "state FAILED rank 1 .*exited with code 9" "$log" || fail "no FAILED line for rank 1"
 for r in 0 1; do
-  grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 1" "$log" || { echo "FAIL: rank $r did not all-reduce after the restart"; exit 1; }
+  grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 1" "$log" || fail "rank $r did not all-reduce after the restart"
 done
 echo "ok: crash during a collective -> restart -> success in $((SECONDS - start)) s"
 echo "ok: gloo all-reduce under elastrun --standalone"
