@@ -1,11 +1,13 @@
-#!/bin/sh
+#!/usr/bin/env bash
 # ctest driver for elastrun-ckpt: good checkpoints exit 0, bad paths and damage give one error
 # line and a non-zero exit.
+# (ctest runs it with `sh`; it runs itself again under bash, which tests/support/lib.sh needs.)
+[ -n "${BASH_VERSION:-}" ] || exec bash "$0" "$@"
 set -u
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 tool="$1"; fixture="$2"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
+sandbox
+work=$SANDBOX
 "$fixture" "$work" || fail "fixture"
 step="$work/ckpt/step-000000042"
 

@@ -6,19 +6,11 @@
 #           agent exits 85, no worker is left; a rerun resumes from that step
 # Usage: test_train.sh CASE path/to/elastrun path/to/train
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 case_=$1 elastrun=$2 train=$3
-out=$(mktemp -d)
-agent=
-cleanup() {
-  local rc=$?
-  if [[ -n $agent ]] && kill -0 "$agent" 2>/dev/null; then kill -KILL "$agent"; wait "$agent" 2>/dev/null || true; fi
-  ((rc == 0)) || for f in "$out"/*.log; do [[ -e $f ]] && { echo "--- $f" >&2; tail -30 "$f" >&2; }; done
-  rm -rf "$out"
-  exit "$rc"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-export TMPDIR=$out
+sandbox --tmpdir
+out=$SANDBOX
+show_on_failure 30 "$out/*.log"
 
 run() {  # run NPROC LOG ARGS...: the trainer under a standalone agent
   local nproc=$1 log=$2
@@ -52,15 +44,11 @@ stop)
   "$elastrun" --standalone --nproc-per-node=2 --no-python "$train" --ckpt-dir "$out/ck" --ckpt-every 0 \
     --steps 100000 --step-ms 20 >"$out/stop.log" 2>&1 &
   agent=$!
-  deadline=$((SECONDS + 120))
-  until grep -q "step 20/" "$out/stop.log"; do
-    ((SECONDS < deadline)) || fail "training did not start"
-    sleep 0.2
-  done
+  track_pid "$agent"
+  wait_for -i 0.2 120 grep -q "step 20/" "$out/stop.log" || fail "training did not start"
   kill -USR1 "$agent"
   rc=0
-  wait "$agent" || rc=$?
-  agent=
+  await "$agent" || rc=$?
   ((rc == 85)) || fail "agent exited $rc after SIGUSR1, expected 85 (checkpointed)"
   [[ $(grep -c "checkpoint-and-stop: saved step" "$out/stop.log") -eq 2 ]] || fail "not both workers checkpointed"
   steps=$(grep -o "checkpoint-and-stop: saved step [0-9]*" "$out/stop.log" | awk '{print $4}' | sort -u)
