@@ -1,0 +1,199 @@
+// parse_agent_options: every torchrun flag spelling, PET_* defaults, bad values (exit-2 errors).
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "options.hpp"
+
+namespace elastrun::launcher {
+namespace {
+
+AgentOptions parse(std::vector<std::string> args, const std::map<std::string, std::string>& pet = {}) {
+  args.insert(args.begin(), "elastrun");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  AgentOptions o;
+  EXPECT_EQ(parse_agent_options(static_cast<int>(argv.size()), argv.data(), pet, o), ParseOutcome::Run);
+  return o;
+}
+
+// The error text of a command line that must be refused.
+std::string refusal(std::vector<std::string> args, const std::map<std::string, std::string>& pet = {}) {
+  args.insert(args.begin(), "elastrun");
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  AgentOptions o;
+  try {
+    parse_agent_options(static_cast<int>(argv.size()), argv.data(), pet, o);
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << "not one line: " << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "accepted";
+  return {};
+}
+
+TEST(Options, DefaultsAndProgram) {
+  auto o = parse({"train.py", "--lr", "0.1"});
+  EXPECT_FALSE(o.min_nodes);
+  EXPECT_EQ(o.nproc_per_node, 1);
+  EXPECT_EQ(o.rdzv_backend, RdzvBackend::C10d);
+  EXPECT_EQ(o.max_restarts, 0);
+  EXPECT_EQ(o.program, "train.py");
+  EXPECT_EQ(o.program_args, (std::vector<std::string>{"--lr", "0.1"}));
+  EXPECT_EQ(o.requeue_budget, (std::array<std::int64_t, kFailureClasses>{0, 3, kUnlimited, kUnlimited}));
+  EXPECT_TRUE(o.scale_up_checkpoint);
+}
+
+TEST(Options, BothSpellingsOfEveryTorchrunFlag) {
+  for (const char* sep : {"-", "_"}) {
+    auto flag = [&](std::string name) {
+      for (auto& c : name)
+        if (c == '-') c = *sep;
+      return "--" + name;
+    };
+    auto o = parse({flag("nnodes") + "=2:4", flag("nproc-per-node") + "=3", flag("rdzv-backend") + "=static",
+                    flag("rdzv-endpoint") + "=h:1234", flag("rdzv-id") + "=job7", flag("max-restarts") + "=2",
+                    flag("monitor-interval") + "=0.5", flag("node-rank") + "=1", flag("local-addr") + "=10.0.0.2",
+                    flag("start-method") + "=fork", flag("log-dir") + "=/tmp/l", flag("local-ranks-filter") + "=0,2",
+                    flag("exit-barrier-timeout") + "=7", flag("rdzv-conf") + "=join_timeout=9", "x"});
+    EXPECT_EQ(*o.min_nodes, 2) << sep;
+    EXPECT_EQ(*o.max_nodes, 4);
+    EXPECT_EQ(o.nproc_per_node, 3);
+    EXPECT_EQ(o.rdzv_backend, RdzvBackend::Static);
+    EXPECT_EQ(o.rdzv_endpoint, "h:1234");
+    EXPECT_EQ(o.rdzv_id, "job7");
+    EXPECT_EQ(o.max_restarts, 2);
+    EXPECT_EQ(o.monitor_interval, Millis(500));
+    EXPECT_EQ(*o.node_rank, 1);
+    EXPECT_EQ(o.local_addr, "10.0.0.2");
+    EXPECT_EQ(o.start_method, "fork");
+    EXPECT_EQ(o.log_dir, "/tmp/l");
+    EXPECT_EQ(*o.local_ranks_filter, (std::set<int>{0, 2}));
+    EXPECT_EQ(o.exit_barrier_timeout, Millis(7000));
+    EXPECT_EQ(o.join_timeout, Millis(9000));
+  }
+}
+
+TEST(Options, StaticFormAndSeparateValues) {
+  auto o = parse({"--nnodes", "3", "--master_addr", "n1", "--master_port", "29600", "prog"});
+  EXPECT_EQ(*o.min_nodes, 3);
+  EXPECT_EQ(*o.max_nodes, 3);
+  EXPECT_EQ(o.master_addr, "n1");
+  EXPECT_EQ(*o.master_port, 29600);
+}
+
+TEST(Options, ArgumentsAfterTheProgramAreItsOwn) {
+  auto o = parse({"-m", "pkg.main", "--nnodes", "5", "--max-restarts=9"});
+  EXPECT_TRUE(o.module);
+  EXPECT_FALSE(o.min_nodes);
+  EXPECT_EQ(o.max_restarts, 0);
+  EXPECT_EQ(o.program_args, (std::vector<std::string>{"--nnodes", "5", "--max-restarts=9"}));
+}
+
+TEST(Options, PetVariablesAreDefaultsThatFlagsOverride) {
+  auto o = parse({"x"}, {{"nnodes", "1:3"}, {"nproc_per_node", "2"}, {"max_restarts", "4"}});
+  EXPECT_EQ(*o.max_nodes, 3);
+  EXPECT_EQ(o.nproc_per_node, 2);
+  EXPECT_EQ(o.max_restarts, 4);
+  o = parse({"--nproc-per-node=5", "x"}, {{"nproc_per_node", "2"}});
+  EXPECT_EQ(o.nproc_per_node, 5);
+}
+
+TEST(Options, RdzvConf) {
+  auto o = parse({"--rdzv-conf", "join_timeout=1.5,last_call_timeout=2,heartbeat_timeout=0.5,is_host=True,"
+                                 "read_timeout=60,store_type=x",
+                  "p"});
+  EXPECT_EQ(o.join_timeout, Millis(1500));
+  EXPECT_EQ(o.last_call_timeout, Millis(2000));
+  EXPECT_EQ(o.heartbeat_timeout, Millis(500));
+  EXPECT_EQ(o.is_host, true);
+  EXPECT_EQ(o.ignored_rdzv_conf, (std::vector<std::string>{"read_timeout", "store_type"}));
+  EXPECT_EQ(parse({"--rdzv-conf=is_host=0", "p"}).is_host, false);
+}
+
+TEST(Options, CheckpointAndRequeueFlags) {
+  auto o = parse({"--checkpoint-dir=/c", "--checkpoint-timeout=12", "--forward-signals", "--scale-up-checkpoint=no",
+                  "--requeue-budget=app:1,timelimit:4,preempt:unlimited", "p"});
+  EXPECT_EQ(o.checkpoint_dir, "/c");
+  EXPECT_EQ(o.checkpoint_timeout, Millis(12000));
+  EXPECT_TRUE(o.forward_signals);
+  EXPECT_FALSE(o.scale_up_checkpoint);
+  EXPECT_EQ(o.requeue_budget, (std::array<std::int64_t, kFailureClasses>{1, 3, 4, kUnlimited}));
+}
+
+TEST(Options, NprocNames) {
+  EXPECT_GE(parse({"--nproc-per-node=cpu", "p"}).nproc_per_node, 1);
+  EXPECT_GE(parse({"--nproc-per-node=auto", "p"}).nproc_per_node, 1);
+}
+
+TEST(Options, BadValuesAreOneLineErrorsNamingTheFlag) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{}, "no program to run"},
+      {{"--nnodes=0", "p"}, "--nnodes='0'"},
+      {{"--nnodes=4:2", "p"}, "MIN is larger than MAX"},
+      {{"--nnodes=a", "p"}, "--nnodes='a'"},
+      {{"--nproc-per-node=0", "p"}, "--nproc-per-node='0'"},
+      {{"--rdzv-backend=zookeeper", "p"}, "--rdzv-backend='zookeeper'"},
+      {{"--rdzv-conf=bogus=1", "p"}, "unknown key 'bogus'"},
+      {{"--rdzv-conf=join_timeout", "p"}, "is not KEY=VALUE"},
+      {{"--rdzv-conf=is_host=maybe", "p"}, "is_host='maybe'"},
+      {{"--rdzv-conf=heartbeat_timeout=0.1", "p"}, "at least 0.2 s"},
+      {{"--monitor-interval=-1", "p"}, "--monitor-interval='-1'"},
+      {{"--stop-grace=soon", "p"}, "--stop-grace='soon'"},
+      {{"--master-port=70000", "--master-addr=h", "p"}, "--master-port='70000'"},
+      {{"--master-port=29500", "p"}, "--master-port needs --master-addr"},
+      {{"--node-rank=-1", "p"}, "--node-rank='-1'"},
+      {{"--local-ranks-filter=a", "p"}, "--local-ranks-filter='a'"},
+      {{"--start-method=thread", "p"}, "--start-method='thread'"},
+      {{"--max-restarts=-1", "p"}, "--max-restarts must be 0 or more"},
+      {{"--no-python", "-m", "p"}, "contradict"},
+      {{"--standalone", "--rdzv-endpoint=h:1", "p"}, "contradict"},
+      {{"--standalone", "--nnodes=1:2", "p"}, "--standalone runs one node"},
+      {{"--rdzv-backend=etcd", "p"}, "needs --rdzv-endpoint"},
+      {{"--scale-up-checkpoint=perhaps", "p"}, "--scale-up-checkpoint='perhaps'"},
+      {{"--requeue-budget=app", "p"}, "is not CLASS:COUNT"},
+      {{"--requeue-budget=disk:1", "p"}, "unknown class 'disk'"},
+      {{"--requeue-budget=app:-2", "p"}, "is not a count"},
+      {{"-r", "4", "p"}, "--redirects='4'"},
+      {{"--no-such-flag", "p"}, "no-such-flag"},
+  };
+  for (const auto& [args, want] : cases) {
+    const auto error = refusal(args);
+    EXPECT_NE(error.find(want), std::string::npos) << "error '" << error << "' lacks '" << want << "'";
+  }
+  EXPECT_NE(refusal({"p"}, {{"nnodes", "x"}}).find("--nnodes='x'"), std::string::npos);
+}
+
+TEST(Options, StreamSpecs) {
+  EXPECT_EQ(parse_stream_spec("-r", "3").all, 3);
+  const auto spec = parse_stream_spec("-t", "0:1,2:3");
+  EXPECT_EQ(spec.all, 0);
+  EXPECT_EQ(spec.for_rank(0), 1);
+  EXPECT_EQ(spec.for_rank(1), 0);
+  EXPECT_EQ(spec.for_rank(2), 3);
+  for (const char* bad : {"", "x", "5", "0:", ":1", "0:4", "-1:1", "0:1;1:2"})
+    EXPECT_THROW(parse_stream_spec("-r", bad), UsageError) << bad;
+}
+
+TEST(Options, RequeueBudgetKeepsUnnamedClasses) {
+  const std::array<std::int64_t, kFailureClasses> defaults{0, 3, kUnlimited, kUnlimited};
+  EXPECT_EQ(parse_requeue_budget("node:0", defaults), (std::array<std::int64_t, kFailureClasses>{0, 0, kUnlimited, kUnlimited}));
+  EXPECT_EQ(parse_requeue_budget("preempt:2,app:inf", defaults),
+            (std::array<std::int64_t, kFailureClasses>{kUnlimited, 3, kUnlimited, 2}));
+}
+
+TEST(Options, EnumNamesRoundTrip) {
+  for (auto c : {FailureClass::App, FailureClass::Node, FailureClass::TimeLimit, FailureClass::Preempt})
+    EXPECT_EQ(failure_class_from_string(to_string(c)), c);
+  EXPECT_FALSE(failure_class_from_string("timeout"));
+  for (auto b : {RdzvBackend::C10d, RdzvBackend::Static, RdzvBackend::Etcd, RdzvBackend::EtcdV2})
+    EXPECT_EQ(rdzv_backend_from_string(to_string(b)), b);
+  EXPECT_TRUE(uses_etcd(RdzvBackend::EtcdV2));
+  EXPECT_FALSE(uses_etcd(RdzvBackend::Static));
+}
+
+}  // namespace
+}  // namespace elastrun::launcher

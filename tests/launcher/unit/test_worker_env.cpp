@@ -1,0 +1,267 @@
+// The worker environment and output routing (worker_env.hpp), failures and the job-wide summary
+// (failure_report.hpp), and reading PyTorch's @record error files (error_file.hpp).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "failure_report.hpp"
+#include "worker_env.hpp"
+
+namespace elastrun::launcher {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "launcher-unit-XXXXXX").string();
+    path_ = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const fs::path& path() const { return path_; }
+
+ private:
+  fs::path path_;
+};
+
+std::map<std::string, std::string> as_map(const std::vector<std::string>& env) {
+  std::map<std::string, std::string> m;
+  for (const auto& kv : env) {
+    auto eq = kv.find('=');
+    EXPECT_TRUE(m.emplace(kv.substr(0, eq), kv.substr(eq + 1)).second) << "set twice: " << kv;
+  }
+  return m;
+}
+
+rdzv::RoundResult second_node_of_three() {
+  rdzv::RoundResult r;
+  r.generation = 4;
+  r.group_rank = 1;
+  r.group_world_size = 3;
+  r.rank_offset = 2;
+  r.world_size = 6;
+  r.role_rank_offset = 2;
+  r.role_world_size = 6;
+  r.master_addr = "10.1.0.1";
+  r.master_port = 29511;
+  return r;
+}
+
+AttemptContext attempt_in(const AgentOptions& o, const rdzv::RoundResult& round, const fs::path& dir) {
+  return {.options = o, .round = round, .run_id = "", .node_name = "", .control_file = "", .restart_count = 0,
+          .attempt_dir = dir, .program_path = "", .argv = {}};
+}
+
+TEST(WorkerEnv, InheritedEnvironmentDropsOursOnly) {
+  std::vector<std::string> entries = {"PATH=/bin", "RANK=7", "MASTER_PORT=1", "HOME=/h", "ELASTRUN_NODE=x",
+                                      "RANKING=kept"};
+  std::vector<char*> raw;
+  for (auto& e : entries) raw.push_back(e.data());
+  raw.push_back(nullptr);
+  EXPECT_EQ(inherited_environment(raw.data()), (std::vector<std::string>{"PATH=/bin", "HOME=/h", "RANKING=kept"}));
+}
+
+TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
+  TempDir dir;
+  AgentOptions o;
+  o.nproc_per_node = 2;
+  o.max_restarts = 3;
+  o.role = "trainer";
+  o.checkpoint_dir = "/ckpt";
+  const auto round = second_node_of_three();
+  const AttemptContext a{.options = o, .round = round, .run_id = "12.r0", .node_name = "n2",
+                         .control_file = "/c/control", .restart_count = 1, .attempt_dir = dir.path() / "attempt_0",
+                         .program_path = "/bin/true", .argv = {"true", "x"}};
+  const auto specs = worker_specs(a, {"PATH=/bin", "RANKING=kept"});
+  ASSERT_EQ(specs.size(), 2u);
+  for (int local = 0; local < 2; ++local) {
+    const auto& s = specs[static_cast<std::size_t>(local)];
+    EXPECT_EQ(s.local_rank, local);
+    EXPECT_EQ(s.global_rank, 2 + local);
+    EXPECT_EQ(s.path, "/bin/true");
+    EXPECT_EQ(s.argv, (std::vector<std::string>{"true", "x"}));
+    auto env = as_map(s.env);
+    EXPECT_EQ(env["PATH"], "/bin");
+    EXPECT_EQ(env["RANK"], std::to_string(2 + local));
+    EXPECT_EQ(env["LOCAL_RANK"], std::to_string(local));
+    EXPECT_EQ(env["GROUP_RANK"], "1");
+    EXPECT_EQ(env["ROLE_RANK"], std::to_string(2 + local));
+    EXPECT_EQ(env["ROLE_NAME"], "trainer");
+    EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "2");
+    EXPECT_EQ(env["WORLD_SIZE"], "6");
+    EXPECT_EQ(env["GROUP_WORLD_SIZE"], "3");
+    EXPECT_EQ(env["ROLE_WORLD_SIZE"], "6");
+    EXPECT_EQ(env["MASTER_ADDR"], "10.1.0.1");
+    EXPECT_EQ(env["MASTER_PORT"], "29511");
+    EXPECT_EQ(env["TORCHELASTIC_RESTART_COUNT"], "1");
+    EXPECT_EQ(env["TORCHELASTIC_MAX_RESTARTS"], "3");
+    EXPECT_EQ(env["TORCHELASTIC_RUN_ID"], "12.r0");
+    EXPECT_EQ(env["TORCHELASTIC_USE_AGENT_STORE"], "False");
+    EXPECT_EQ(env["ELASTRUN_GENERATION"], "4");
+    EXPECT_EQ(env["ELASTRUN_NODE"], "n2");
+    EXPECT_EQ(env["ELASTRUN_CONTROL_FILE"], "/c/control");
+    EXPECT_EQ(env["ELASTRUN_CHECKPOINT_DIR"], "/ckpt");
+    EXPECT_EQ(env["ELASTRUN_CHECKPOINTED_EXIT_CODE"], "85");
+    EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
+    EXPECT_EQ(env["TORCHELASTIC_ERROR_FILE"], s.error_file);
+    EXPECT_EQ(s.error_file, (dir.path() / "attempt_0" / std::to_string(local) / "error.json").string());
+    EXPECT_TRUE(fs::is_directory(fs::path(s.error_file).parent_path()));
+    // no --log-dir: everything on the console, no files
+    EXPECT_TRUE(s.console_stdout);
+    EXPECT_TRUE(s.console_stderr);
+    EXPECT_TRUE(s.stdout_file.empty());
+  }
+}
+
+TEST(WorkerEnv, UserThreadsAndSingleWorker) {
+  TempDir dir;
+  AgentOptions o;
+  o.nproc_per_node = 2;
+  const auto round = second_node_of_three();
+  const auto a = attempt_in(o, round, dir.path());
+  auto env = as_map(worker_variables(a, 0, "e", {"OMP_NUM_THREADS=4"}));
+  EXPECT_FALSE(env.contains("OMP_NUM_THREADS")) << "the user's value is inherited, not overridden";
+  EXPECT_FALSE(env.contains("ELASTRUN_CHECKPOINT_DIR"));
+  o.nproc_per_node = 1;
+  EXPECT_FALSE(as_map(worker_variables(a, 0, "e", {})).contains("OMP_NUM_THREADS"));
+}
+
+TEST(WorkerEnv, StaleErrorFileIsRemoved) {
+  TempDir dir;
+  AgentOptions o;
+  const auto round = second_node_of_three();
+  const auto a = attempt_in(o, round, dir.path());
+  fs::create_directories(dir.path() / "0");
+  std::ofstream(dir.path() / "0" / "error.json") << "{}";
+  const auto specs = worker_specs(a, {});
+  EXPECT_FALSE(fs::exists(specs[0].error_file));
+}
+
+TEST(WorkerEnv, RedirectsTeeAndRankFilter) {
+  TempDir dir;
+  AgentOptions o;
+  o.nproc_per_node = 3;
+  o.log_dir = dir.path().string();
+  o.redirects = parse_stream_spec("-r", "0:3,1:1");
+  o.tee = parse_stream_spec("-t", "1:2");
+  o.local_ranks_filter = std::set<int>{0, 1};
+  const auto round = second_node_of_three();
+  const auto a = attempt_in(o, round, dir.path() / "attempt_0");
+  const auto s = worker_specs(a, {});
+  // rank 0: both redirected: files only
+  EXPECT_FALSE(s[0].console_stdout);
+  EXPECT_FALSE(s[0].console_stderr);
+  EXPECT_FALSE(s[0].stdout_file.empty());
+  EXPECT_FALSE(s[0].stderr_file.empty());
+  // rank 1: stdout redirected, stderr teed
+  EXPECT_FALSE(s[1].console_stdout);
+  EXPECT_TRUE(s[1].console_stderr);
+  EXPECT_FALSE(s[1].stdout_file.empty());
+  EXPECT_FALSE(s[1].stderr_file.empty());
+  // rank 2: filtered from the console, no files
+  EXPECT_FALSE(s[2].console_stdout);
+  EXPECT_FALSE(s[2].console_stderr);
+  EXPECT_TRUE(s[2].stdout_file.empty());
+  // without --log-dir, -r and -t have no effect
+  o.log_dir.clear();
+  o.local_ranks_filter.reset();
+  for (const auto& spec : worker_specs(a, {})) {
+    EXPECT_TRUE(spec.console_stdout);
+    EXPECT_TRUE(spec.stdout_file.empty());
+  }
+}
+
+// ---- error files and failures ----
+
+TEST(ErrorFile, TorchRecordFormatAndLenientForms) {
+  TempDir dir;
+  const auto write = [&](const std::string& text) {
+    const auto p = (dir.path() / "error.json").string();
+    std::ofstream(p, std::ios::trunc) << text;
+    return p;
+  };
+  auto info = read_error_file(write(
+      R"({"message": {"message": "RuntimeError: boom\nsecond line", "extraInfo": {"py_callstack": "Traceback...\n  x", "timestamp": "1700000000"}}})"));
+  ASSERT_TRUE(info);
+  EXPECT_EQ(info->message, "RuntimeError: boom");
+  EXPECT_EQ(info->traceback, "Traceback...\n  x");
+  EXPECT_EQ(info->timestamp, "1700000000");
+  EXPECT_EQ(read_error_file(write(R"({"message": "plain"})"))->message, "plain");
+  EXPECT_EQ(read_error_file(write("\n  not json at all\nmore"))->message, "not json at all");
+  EXPECT_EQ(read_error_file(write("[1,2]"))->message, "[1,2]");
+  EXPECT_FALSE(read_error_file(write("  \n")));
+  EXPECT_FALSE(read_error_file((dir.path() / "missing.json").string()));
+}
+
+TEST(Failures, OneLineAndJsonRoundTrip) {
+  WorkerExit e;
+  e.local_rank = 1;
+  e.global_rank = 3;
+  e.exit_code = 5;
+  e.when = std::chrono::system_clock::time_point(std::chrono::milliseconds(1'700'000'000'123));
+  auto f = failure_from_exit(e, "n2", 1, "");
+  EXPECT_EQ(f.one_line(), "rank 3 (local rank 1, node n2) exited with code 5");
+  f.signal = SIGSEGV;
+  EXPECT_EQ(f.how(), "killed by SIGSEGV (11)");
+  f.error = ErrorFileInfo{"OOM", "tb", {}};
+  f.error_file = "/e.json";
+  auto back = Failure::from_json(f.to_json().dump());
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->one_line(), "rank 3 (local rank 1, node n2) killed by SIGSEGV (11): OOM");
+  EXPECT_EQ(back->when, f.when);
+  EXPECT_EQ(back->error_file, "/e.json");
+  EXPECT_EQ(back->error->traceback, "tb");
+  EXPECT_FALSE(Failure::from_json("[]"));
+  EXPECT_FALSE(Failure::from_json("{oops"));
+  EXPECT_EQ(iso_time(f.when), "2023-11-14T22:13:20.123Z");
+}
+
+TEST(Failures, SummaryNamesTheEarliestAsRootCause) {
+  const auto at = [](int ms) { return std::chrono::system_clock::time_point(std::chrono::milliseconds(ms)); };
+  Failure late;
+  late.when = at(2000);
+  late.node = "n1";
+  late.exit_code = 1;
+  Failure root;
+  root.when = at(1000);
+  root.node = "n3";
+  root.rank = 5;
+  root.local_rank = 1;
+  root.signal = SIGKILL;
+  root.restart_count = 2;
+  root.error_file = "/x/error.json";
+  root.error = ErrorFileInfo{"CUDA out of memory", "line 1\nline 2", {}};
+  const auto lines = summary_lines("job9", {late, root}, /*job_wide=*/true, 3);
+  ASSERT_GE(lines.size(), 10u);
+  const auto has = [&](const std::string& text) {
+    return std::any_of(lines.begin(), lines.end(), [&](const std::string& l) { return l == text; });
+  };
+  EXPECT_EQ(lines.front(), "================ elastrun: job failed (run 'job9') ================");
+  EXPECT_TRUE(has("  node       : n3"));
+  EXPECT_TRUE(has("  rank       : 5 (local rank 1)"));
+  EXPECT_TRUE(has("  signal     : SIGKILL (9)"));
+  EXPECT_TRUE(has("  restart    : 2 of 3"));
+  EXPECT_TRUE(has("  message    : CUDA out of memory"));
+  EXPECT_TRUE(has("    line 2"));
+  EXPECT_TRUE(has("other failures (all nodes, by time):"));
+  EXPECT_TRUE(has("  1970-01-01T00:00:02.000Z rank 0 (local rank 0, node n1) exited with code 1"));
+  EXPECT_TRUE(summary_lines("job9", {}, true, 0).empty());
+  // an error file that was never written points to @record
+  Failure unwritten;
+  unwritten.error_file = "/y/error.json";
+  const auto one = summary_lines("r", {unwritten}, false, 0);
+  EXPECT_TRUE(std::any_of(one.begin(), one.end(), [](const std::string& l) {
+    return l.find("(not written; decorate main with torch.distributed.elastic.multiprocessing.errors.record)") !=
+           std::string::npos;
+  }));
+  EXPECT_FALSE(std::any_of(one.begin(), one.end(), [](const std::string& l) { return l.starts_with("other failures"); }));
+}
+
+}  // namespace
+}  // namespace elastrun::launcher
