@@ -5,11 +5,12 @@
 #include <sched.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+
+#include "elastrun/util/parse.hpp"
 
 namespace elastrun::launcher {
 namespace {
@@ -20,12 +21,7 @@ std::string one_line(std::string text) {
   return text;
 }
 
-std::optional<long> to_long(std::string_view text) {
-  long value = 0;
-  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc{} || p != text.data() + text.size()) return std::nullopt;
-  return value;
-}
+std::optional<long> to_long(std::string_view text) { return util::parse_integer<long>(text); }
 
 Millis seconds_option(const std::string& flag, const std::string& text) {
   char* end = nullptr;
@@ -85,18 +81,13 @@ void parse_nnodes(const std::string& text, AgentOptions& o) {
   o.max_nodes = static_cast<int>(*hi);
 }
 
-bool parse_bool(const std::string& key, const std::string& value) {
-  if (value == "1" || value == "true" || value == "True" || value == "yes") return true;
-  if (value == "0" || value == "false" || value == "False" || value == "no") return false;
-  throw UsageError(fmt::format("--rdzv-conf {}='{}' must be 1/0 or true/false", key, value));
+bool parse_bool(const std::string& flag, const std::string& value) {
+  if (auto b = util::parse_boolean(value)) return *b;
+  throw UsageError(fmt::format("{}='{}' must be true or false (also 1/0, yes/no, on/off)", flag, value));
 }
 
 void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
-  std::string_view rest = text;
-  while (!rest.empty()) {
-    auto comma = rest.find(',');
-    auto item = rest.substr(0, comma);
-    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+  for (auto item : util::split_list(text)) {
     if (item.empty()) continue;
     auto eq = item.find('=');
     if (eq == std::string_view::npos)
@@ -106,7 +97,7 @@ void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
     if (key == "join_timeout") o.join_timeout = seconds_option(flag, value);
     else if (key == "last_call_timeout") o.last_call_timeout = seconds_option(flag, value);
     else if (key == "heartbeat_timeout") o.heartbeat_timeout = seconds_option(flag, value);
-    else if (key == "is_host") o.is_host = parse_bool(key, value);
+    else if (key == "is_host") o.is_host = parse_bool(flag, value);
     else if (key == "read_timeout" || key == "close_timeout" || key == "timeout" ||
              key == "keep_alive_interval" || key == "keep_alive_max_attempt" || key == "store_type" ||
              key == "use_agent_store" || key == "protocol" || key == "cacert" || key == "cert" || key == "key")
@@ -158,11 +149,7 @@ std::array<std::int64_t, kFailureClasses> parse_requeue_budget(const std::string
   const auto bad = [&](std::string_view why) {
     return UsageError(fmt::format("--requeue-budget='{}': {} (e.g. app:0,node:3,timelimit:inf,preempt:inf)", text, why));
   };
-  std::string_view rest = text;
-  while (!rest.empty()) {
-    auto comma = rest.find(',');
-    auto item = rest.substr(0, comma);
-    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+  for (auto item : util::split_list(text)) {
     auto colon = item.find(':');
     if (colon == std::string_view::npos) throw bad(fmt::format("'{}' is not CLASS:COUNT", item));
     auto name = item.substr(0, colon), value = item.substr(colon + 1);
@@ -195,11 +182,7 @@ StreamSpec parse_stream_spec(const std::string& flag, const std::string& text) {
     spec.all = value(text);
     return spec;
   }
-  std::string_view rest = text;
-  while (!rest.empty()) {
-    auto comma = rest.find(',');
-    auto item = rest.substr(0, comma);
-    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+  for (auto item : util::split_list(text)) {
     auto colon = item.find(':');
     if (colon == std::string_view::npos) throw bad();
     auto rank = to_long(item.substr(0, colon));
@@ -309,24 +292,16 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   o.stop_grace = seconds_option("--stop-grace", grace);
   o.exit_barrier_timeout = seconds_option("--exit-barrier-timeout", exit_barrier);
   o.checkpoint_timeout = seconds_option("--checkpoint-timeout", checkpoint_timeout);
-  if (scale_up_checkpoint == "true" || scale_up_checkpoint == "1" || scale_up_checkpoint == "yes")
-    o.scale_up_checkpoint = true;
-  else if (scale_up_checkpoint == "false" || scale_up_checkpoint == "0" || scale_up_checkpoint == "no")
-    o.scale_up_checkpoint = false;
-  else
-    throw UsageError(fmt::format("--scale-up-checkpoint='{}' must be true or false", scale_up_checkpoint));
+  o.scale_up_checkpoint = parse_bool("--scale-up-checkpoint", scale_up_checkpoint);
   if (!requeue_budget.empty()) o.requeue_budget = parse_requeue_budget(requeue_budget, o.requeue_budget);
   o.redirects = parse_stream_spec("--redirects", redirects);
   o.tee = parse_stream_spec("--tee", tee);
   if (!ranks_filter.empty()) {
     std::set<int> ranks;
-    std::string_view r = ranks_filter;
-    while (!r.empty()) {
-      auto comma = r.find(',');
-      auto n = to_long(r.substr(0, comma));
+    for (auto item : util::split_list(ranks_filter)) {
+      auto n = to_long(item);
       if (!n || *n < 0) throw UsageError(fmt::format("--local-ranks-filter='{}' must be a comma list of local ranks", ranks_filter));
       ranks.insert(static_cast<int>(*n));
-      r = comma == std::string_view::npos ? std::string_view{} : r.substr(comma + 1);
     }
     o.local_ranks_filter = std::move(ranks);
   }

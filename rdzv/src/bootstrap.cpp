@@ -5,10 +5,10 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <charconv>
 #include <thread>
 
 #include "elastrun/rdzv/slurm_api.hpp"
+#include "elastrun/util/parse.hpp"
 
 namespace elastrun::rdzv {
 namespace {
@@ -22,12 +22,10 @@ std::string own_hostname() {
 std::pair<std::string, std::optional<std::uint16_t>> split_endpoint(const std::string& endpoint) {
   auto colon = endpoint.rfind(':');
   if (colon == std::string::npos) return {endpoint, std::nullopt};
-  unsigned port = 0;
   auto text = std::string_view(endpoint).substr(colon + 1);
-  auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), port);
-  if (ec != std::errc{} || p != text.data() + text.size() || port == 0 || port > 65535)
-    throw RendezvousError(fmt::format("--rdzv-endpoint={}: '{}' is not a port (1-65535)", endpoint, text));
-  return {endpoint.substr(0, colon), static_cast<std::uint16_t>(port)};
+  auto port = util::parse_integer_in<unsigned>(text, 1, 65535);
+  if (!port) throw RendezvousError(fmt::format("--rdzv-endpoint={}: '{}' is not a port (1-65535)", endpoint, text));
+  return {endpoint.substr(0, colon), static_cast<std::uint16_t>(*port)};
 }
 
 }  // namespace

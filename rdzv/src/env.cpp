@@ -1,12 +1,12 @@
 // Environment detection: Slurm (incl. heterogeneous steps), Open MPI, PMIx, PMI2, torchrun.
 #include "elastrun/rdzv/env.hpp"
+#include "elastrun/util/parse.hpp"
 
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
-#include <charconv>
 #include <climits>
 #include <numeric>
 #include <string>
@@ -35,12 +35,7 @@ std::optional<std::pair<std::string_view, std::string_view>> lookup_any(
   return std::nullopt;
 }
 
-std::optional<std::uint64_t> parse_u64(std::string_view text) {
-  std::uint64_t value = 0;
-  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc{} || ptr != text.data() + text.size() || text.empty()) return std::nullopt;
-  return value;
-}
+std::optional<std::uint64_t> parse_u64(std::string_view text) { return util::parse_integer<std::uint64_t>(text); }
 
 int to_int(std::string_view name, std::string_view text) {
   auto value = parse_u64(text);

@@ -8,10 +8,10 @@
 #include <nlohmann/json.hpp>
 
 #include <array>
-#include <charconv>
 #include <mutex>
 
 #include "elastrun/rdzv/store.hpp"
+#include "elastrun/util/parse.hpp"
 
 namespace elastrun::rdzv {
 namespace {
@@ -26,12 +26,7 @@ std::uint64_t u64_of(const json& j, const char* field) {
   auto it = j.find(field);
   if (it == j.end()) return 0;
   if (it->is_number_unsigned() || it->is_number_integer()) return it->get<std::uint64_t>();
-  if (it->is_string()) {
-    const auto& s = it->get_ref<const std::string&>();
-    std::uint64_t v = 0;
-    std::from_chars(s.data(), s.data() + s.size(), v);
-    return v;
-  }
+  if (it->is_string()) return util::parse_integer<std::uint64_t>(it->get_ref<const std::string&>()).value_or(0);
   return 0;
 }
 
@@ -279,9 +274,10 @@ std::int64_t EtcdKv::add(std::string_view key, std::int64_t delta, std::uint64_t
     json compare;
     if (r.contains("kvs") && !r["kvs"].empty()) {
       auto kv = kv_of(r["kvs"][0]);
-      auto [p, ec] = std::from_chars(kv.value.data(), kv.value.data() + kv.value.size(), current);
-      if (ec != std::errc{} || p != kv.value.data() + kv.value.size())
+      auto parsed = util::parse_integer<std::int64_t>(kv.value);
+      if (!parsed)
         throw StoreError(Status::NotANumber, fmt::format("etcd {}: add '{}': value is not a number", impl_->endpoint, key));
+      current = *parsed;
       keep_lease = kv.lease;
       compare = {{"key", base64_encode(key)}, {"result", "EQUAL"}, {"target", "MOD"}, {"mod_revision", std::to_string(kv.revision)}};
     } else {

@@ -28,11 +28,6 @@ struct AddrInfoDeleter {
 
 }  // namespace
 
-void UniqueFd::reset(int fd) {
-  if (fd_ >= 0) ::close(fd_);  // close() errors on a socket are not actionable here
-  fd_ = fd;
-}
-
 void set_nonblocking(int fd) {
   int flags = fcntl(fd, F_GETFL);
   if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) throw_errno(errno, "fcntl(O_NONBLOCK)");

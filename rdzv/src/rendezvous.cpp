@@ -18,10 +18,10 @@
 
 #include <algorithm>
 #include <array>
-#include <charconv>
 
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/store.hpp"
+#include "elastrun/util/parse.hpp"
 
 namespace elastrun::rdzv {
 namespace {
@@ -32,12 +32,7 @@ std::int64_t wall_ms() {
   return std::chrono::duration_cast<Millis>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-std::optional<std::int64_t> to_i64(std::string_view s) {
-  std::int64_t v = 0;
-  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc{} || p != s.data() + s.size()) return std::nullopt;
-  return v;
-}
+std::optional<std::int64_t> to_i64(std::string_view s) { return util::parse_integer<std::int64_t>(s); }
 
 // Members travel as one tab-separated line each (a roster is one line per member):
 //   component  node-index  node-name  address  nproc  role  pid  master-port  store-port

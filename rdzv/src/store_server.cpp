@@ -11,7 +11,6 @@
 
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <deque>
 #include <future>
 #include <map>
@@ -24,6 +23,7 @@
 
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/store.hpp"
+#include "elastrun/util/parse.hpp"
 
 namespace elastrun::rdzv {
 
@@ -457,9 +457,9 @@ struct StoreServer::Impl {
     std::int64_t current = 0;
     auto it = data.find(req.key);
     if (it != data.end()) {
-      const auto& v = it->second.value;
-      auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), current);
-      if (ec != std::errc{} || ptr != v.data() + v.size()) return queue(id, req, Status::NotANumber);
+      auto parsed = util::parse_integer<std::int64_t>(it->second.value);
+      if (!parsed) return queue(id, req, Status::NotANumber);
+      current = *parsed;
     }
     auto next = std::to_string(current + req.delta);
     if (!room_for(id, req, req.key.size() + next.size(), it == data.end() ? 0 : it->second.value.size() + req.key.size()))

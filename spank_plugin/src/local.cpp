@@ -31,6 +31,7 @@
 
 #include "common.hpp"
 #include "elastic.hpp"
+#include "elastrun/util/unique_fd.hpp"
 
 extern char** environ;
 
@@ -39,30 +40,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// An owned file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() { reset(); }
-  Fd(Fd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = o.fd_;
-      o.fd_ = -1;
-    }
-    return *this;
-  }
-  int get() const { return fd_; }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
+using Fd = elastrun::util::UniqueFd;
 
 std::pair<Fd, Fd> make_pipe() {
   int fds[2];

@@ -3,18 +3,14 @@
 #include <fmt/format.h>
 
 #include <cctype>
-#include <charconv>
+
+#include "elastrun/util/parse.hpp"
 
 namespace elastrun::spank {
 namespace {
 
 std::optional<int> parse_positive(std::string_view text, int max) {
-  int value = 0;
-  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || ec != std::errc{} || ptr != text.data() + text.size() || value < 1 ||
-      value > max)
-    return std::nullopt;
-  return value;
+  return util::parse_integer_in(text, 1, max);
 }
 
 std::string lower(std::string_view text) {
@@ -23,12 +19,7 @@ std::string lower(std::string_view text) {
   return out;
 }
 
-std::optional<bool> parse_bool(std::string_view text) {
-  const std::string v = lower(text);
-  if (v == "yes" || v == "1" || v == "true" || v == "on") return true;
-  if (v == "no" || v == "0" || v == "false" || v == "off") return false;
-  return std::nullopt;
-}
+std::optional<bool> parse_bool(std::string_view text) { return util::parse_boolean(text); }
 
 constexpr int kMaxNodes = 1'000'000;
 

@@ -7,30 +7,11 @@
 #include <utility>
 #include <vector>
 
+#include "elastrun/util/unique_fd.hpp"
+
 namespace elastrun::rdzv {
 
-// Owns a file descriptor; closes it exactly once.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  ~UniqueFd() { reset(); }
-  UniqueFd(UniqueFd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& o) noexcept {
-    if (this != &o) reset(std::exchange(o.fd_, -1));
-    return *this;
-  }
-  UniqueFd(const UniqueFd&) = delete;
-  UniqueFd& operator=(const UniqueFd&) = delete;
-
-  int get() const { return fd_; }
-  explicit operator bool() const { return fd_ >= 0; }
-  int release() { return std::exchange(fd_, -1); }
-  void reset(int fd = -1);
-
- private:
-  int fd_ = -1;
-};
+using UniqueFd = elastrun::util::UniqueFd;  // one owner type for every component
 
 // A listening TCP socket bound to `address`:`port` (0 = any free port); when `port` is taken,
 // each of `fallbacks` is tried in order. Throws std::system_error naming the last port tried.
