@@ -518,35 +518,70 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
 
 namespace {
 
-// "ok", "corrupt:<why>" (try an older step) or "error:<why>" (a caller mistake).
+// One rank's outcome of a restore phase, as it travels to rank 0 (gather of strings).
+struct RankAttempt {
+  enum class Outcome { Ok, Corrupt, Error };
+  Outcome outcome = Outcome::Ok;  // Corrupt: try an older step; Error: a caller mistake
+  std::string why;
+
+  // Invalid UTF-8 in a message (a damaged file's bytes) is replaced, never thrown about.
+  std::string encode() const {
+    return json{{"outcome", static_cast<int>(outcome)}, {"why", why}}.dump(-1, ' ', false, json::error_handler_t::replace);
+  }
+  static RankAttempt decode(const std::string& text) {
+    const auto j = json::parse(text);
+    return {static_cast<Outcome>(j.at("outcome").get<int>()), j.at("why").get<std::string>()};
+  }
+};
+
 template <typename Action>
-std::string attempt_status(const Action& action) {
+RankAttempt attempt(const Action& action) {
   try {
     action();
-    return "ok";
+    return {};
   } catch (const CorruptCheckpointError& e) {
-    return std::string("corrupt:") + e.what();
+    return {RankAttempt::Outcome::Corrupt, e.what()};
   } catch (const std::exception& e) {
-    return std::string("error:") + e.what();
+    return {RankAttempt::Outcome::Error, e.what()};
   }
 }
 
-// Rank 0: the ranks' statuses -> {"action": "go"} | {"action": "skip", "skipped": [...]} |
-// {"action": "fail", "error": ...}.
-json decide(const std::vector<std::string>& statuses, const fs::path& path) {
-  json skipped = json::array();
-  for (std::size_t r = 0; r < statuses.size(); ++r) {
-    if (statuses[r] == "ok") continue;
-    if (statuses[r].rfind("error:", 0) == 0) {
-      // A caller mistake (unknown tensor, wrong dtype): older steps would not fix it.
-      return {{"action", "fail"},
-              {"error", fmt::format("restore from {} failed on rank {}: {}", path.string(), r,
-                                    statuses[r].substr(6))}};
-    }
-    skipped.push_back(fmt::format("rank {}: {}", r, statuses[r].substr(8)));
+// Rank 0's decision from every rank's attempt, broadcast to all.
+struct RestoreVote {
+  enum class Action { Go, Skip, Fail };
+  Action action = Action::Go;
+  std::vector<std::string> skipped;  // Skip: "rank R: why", one per rank that found damage
+  std::string error;                 // Fail
+
+  std::string encode() const {
+    return json{{"action", static_cast<int>(action)}, {"skipped", skipped}, {"error", error}}.dump(
+        -1, ' ', false, json::error_handler_t::replace);
   }
-  if (skipped.empty()) return {{"action", "go"}};
-  return {{"action", "skip"}, {"skipped", skipped}};
+  static RestoreVote decode(const std::string& text) {
+    const auto j = json::parse(text);
+    return {static_cast<Action>(j.at("action").get<int>()), j.at("skipped").get<std::vector<std::string>>(),
+            j.at("error").get<std::string>()};
+  }
+};
+
+RestoreVote decide(const std::vector<std::string>& attempts, const fs::path& path) {
+  RestoreVote vote;
+  for (std::size_t r = 0; r < attempts.size(); ++r) {
+    const auto a = RankAttempt::decode(attempts[r]);
+    switch (a.outcome) {
+      case RankAttempt::Outcome::Ok:
+        continue;
+      case RankAttempt::Outcome::Error:
+        // A caller mistake (unknown tensor, wrong dtype): older steps would not fix it.
+        return {RestoreVote::Action::Fail, {},
+                fmt::format("restore from {} failed on rank {}: {}", path.string(), r, a.why)};
+      case RankAttempt::Outcome::Corrupt:
+        vote.skipped.push_back(fmt::format("rank {}: {}", r, a.why));
+        break;
+    }
+  }
+  if (!vote.skipped.empty()) vote.action = RestoreVote::Action::Skip;
+  return vote;
 }
 
 }  // namespace
@@ -568,9 +603,9 @@ std::optional<RestoreResult> restore_latest(const fs::path& root,
     candidates.resize(static_cast<std::size_t>(options.max_attempts));
   }
   // Both votes: gather the statuses to rank 0, which broadcasts one decision (O(world)).
-  auto vote = [&](const std::string& status, const fs::path& path) {
-    const std::vector<std::string> statuses = comm.gather(status);
-    return json::parse(comm.broadcast(comm.rank() == 0 ? decide(statuses, path).dump() : ""));
+  auto vote = [&](const RankAttempt& mine, const fs::path& path) {
+    const std::vector<std::string> attempts = comm.gather(mine.encode());
+    return RestoreVote::decode(comm.broadcast(comm.rank() == 0 ? decide(attempts, path).encode() : ""));
   };
   RestoreResult result;
   bool targets_touched = false;
@@ -587,34 +622,34 @@ std::optional<RestoreResult> restore_latest(const fs::path& root,
     std::optional<Checkpoint> checkpoint;
     json metadata;
     // Phase 1: check (and verify) everything this rank will read; the targets are untouched.
-    std::string status = attempt_status([&] {
+    RankAttempt mine = attempt([&] {
       checkpoint.emplace(path);
       checkpoint->check_files();
       for (const auto& target : targets) checkpoint->check_read(target, ReadOptions{options.verify});
       metadata = checkpoint->metadata();
     });
-    json decision = vote(status, path);
-    if (decision["action"] == "fail") throw CheckpointError(decision["error"].get<std::string>());
-    if (decision["action"] == "skip") {
-      for (const auto& s : decision["skipped"]) result.skipped.push_back(s.get<std::string>());
+    RestoreVote decision = vote(mine, path);
+    if (decision.action == RestoreVote::Action::Fail) throw CheckpointError(decision.error);
+    if (decision.action == RestoreVote::Action::Skip) {
+      result.skipped.insert(result.skipped.end(), decision.skipped.begin(), decision.skipped.end());
       continue;
     }
     // Phase 2: every rank's data checked out; copy into the targets.
     targets_touched = true;
-    status = attempt_status([&] {
+    mine = attempt([&] {
       for (const auto& target : targets) checkpoint->read(target, ReadOptions{false});
     });
-    decision = vote(status, path);
-    if (decision["action"] == "go") {
+    decision = vote(mine, path);
+    if (decision.action == RestoreVote::Action::Go) {
       result.step = step;
       result.path = path;
       result.metadata = std::move(metadata);
       return result;
     }
-    if (decision["action"] == "fail") throw CheckpointError(decision["error"].get<std::string>());
-    for (const auto& s : decision["skipped"]) {
-      result.skipped.push_back(s.get<std::string>());
-      last_copy_failure = s.get<std::string>();
+    if (decision.action == RestoreVote::Action::Fail) throw CheckpointError(decision.error);
+    for (const auto& s : decision.skipped) {
+      result.skipped.push_back(s);
+      last_copy_failure = s;
     }
   }
   if (targets_touched) {
