@@ -6,29 +6,11 @@
 # Environment: ELASTRUN_TESTBED (testbed script), TESTBED_ID (private id), optional
 # ELASTRUN_SHARED_TESTBED_ID.
 set -euo pipefail
-
-TB=${ELASTRUN_TESTBED:-$(dirname "$0")/testbed}
-[[ -n ${TESTBED_ID:-} && ${TESTBED_ID} != "${ELASTRUN_SHARED_TESTBED_ID:-}" ]] ||
-  { echo "FAIL: set TESTBED_ID to a private id (not the shared testbed's)" >&2; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
+private_testbed --given-id --keep-on-failure
 DIR=$("$TB" dir)
 CONF=$DIR/slurm.conf
 BG=()
-
-cleanup() {
-  local rc=$? p
-  for p in "${BG[@]}"; do kill -KILL "$p" 2>/dev/null || true; done
-  if ((rc != 0)); then
-    "$TB" status >&2 || true
-    TESTBED_KEEP=1 "$TB" down || true # keep the logs of a failed run
-  fi
-  exit "$rc"
-}
-trap cleanup EXIT
-
-fail() {
-  printf 'FAIL: %s\n' "$*" >&2
-  exit 1
-}
 
 # Processes that mention this testbed: environment or command line contains the state dir path.
 # ($$ and our children do not: SLURM_CONF is never exported in this shell.)
@@ -40,21 +22,8 @@ mentions() {
   pgrep -f -- "$DIR" || true
 }
 
-alive_nonzombie() {
-  local p st
-  for p in "$@"; do
-    st=$(awk '{ s = $0; sub(/^.*\) /, "", s); split(s, f, " "); print f[1] }' "/proc/$p/stat" 2>/dev/null) || continue
-    [[ $st == Z ]] || echo "$p"
-  done
-  return 0
-}
-
-shared_pids() { TESTBED_ID=$ELASTRUN_SHARED_TESTBED_ID "$TB" status 2>/dev/null | awk '$1 ~ /^(ctld|munged|slurmd)$/'; }
-shared_before=
-if [[ -n ${ELASTRUN_SHARED_TESTBED_ID:-} ]]; then shared_before=$(shared_pids); fi
-
-"$TB" down >/dev/null 2>&1 || true
-"$TB" up 2
+remember_shared_testbed
+testbed_up 2
 read -r -a ports <"$DIR/ports" || true
 ((${#ports[@]} == 3)) || fail "expected 3 ports in $DIR/ports, got '${ports[*]}'"
 cluster=$(awk -F= '$1 == "ClusterName" { print $2 }' "$CONF")
@@ -62,27 +31,24 @@ cluster=$(awk -F= '$1 == "ClusterName" { print $2 }' "$CONF")
 # work of every kind: a step whose tasks fork, a batch job with a step, an salloc with a local command
 SLURM_CONF=$CONF srun -N2 -n2 bash -c 'sleep 600 & sleep 600; wait' >/dev/null 2>&1 &
 BG+=($!)
+track_pid $!
 disown # no "Killed" job notices when down kills it
 # The 2-node step first: if the 1-node jobs were placed first they could both land on n1, fill
 # its 2 CPUs and leave the step pending for ever (seen on a loaded machine).
-deadline=$((SECONDS + 60))
-until SLURM_CONF=$CONF squeue -h -t R -o %D | grep -qx 2; do
-  ((SECONDS < deadline)) || fail "the 2-node srun step did not start within 60 s"
-  sleep 0.3
-done
+step_running() { SLURM_CONF=$CONF squeue -h -t R -o %D | grep -qx 2; }
+wait_for -i 0.3 60 step_running || fail "the 2-node srun step did not start within 60 s"
 SLURM_CONF=$CONF salloc -N1 -n1 sleep 600 >/dev/null 2>&1 &
 BG+=($!)
+track_pid $!
 disown
 SLURM_CONF=$CONF sbatch -N1 -n1 -o /dev/null --wrap 'srun sleep 600' >/dev/null || fail "sbatch failed"
 
-deadline=$((SECONDS + 60))
-while :; do
+# 2 step tasks (+2 children) + batch script, its srun and step task + salloc's command
+jobs_running() {
   running=$( (grep -lzxF "SLURM_CLUSTER_NAME=$cluster" /proc/[0-9]*/environ 2>/dev/null || true) | wc -l)
-  # 2 step tasks (+2 children) + batch script, its srun and step task + salloc's command
-  ((running >= 8)) && break
-  ((SECONDS < deadline)) || fail "jobs did not start within 60 s ($running tagged processes)"
-  sleep 0.5
-done
+  ((running >= 8))
+}
+wait_for 60 jobs_running || fail "jobs did not start within 60 s ($running tagged processes)"
 mapfile -t before < <(mentions | sort -un)
 echo "before down: ${#before[@]} processes mention $DIR; $running tagged with cluster $cluster"
 ((${#before[@]} >= 12)) || fail "expected the daemons and jobs to mention $DIR, found ${#before[@]}"
@@ -91,16 +57,16 @@ t0=$SECONDS
 "$TB" down || fail "testbed down failed"
 echo "down took $((SECONDS - t0)) s"
 
-left=$(alive_nonzombie "${before[@]}")
+left=$(alive_pids "${before[@]}")
 [[ -z $left ]] || fail "still alive after down: $(ps -o pid,args -p "${left//$'\n'/,}")"
 mapfile -t after < <(mentions | sort -un)
-left=$(alive_nonzombie "${after[@]}")
+left=$(alive_pids "${after[@]}")
 [[ -z $left ]] || fail "processes still mention $DIR: $(ps -o pid,args -p "${left//$'\n'/,}")"
 mapfile -t after < <(grep -lzxF "SLURM_CLUSTER_NAME=$cluster" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3)
-left=$(alive_nonzombie "${after[@]}")
+left=$(alive_pids "${after[@]}")
 [[ -z $left ]] || fail "processes of cluster $cluster still alive: $left"
 for p in "${BG[@]}"; do
-  [[ -z $(alive_nonzombie "$p") ]] || fail "client $p (srun/salloc) still alive"
+  [[ -z $(alive_pids "$p") ]] || fail "client $p (srun/salloc) still alive"
 done
 [[ ! -e $DIR ]] || fail "state dir $DIR still exists"
 listening=" $(ss -Htln | awk '{ n = split($4, a, ":"); print a[n] }' | tr '\n' ' ') "
@@ -110,8 +76,5 @@ done
 
 "$TB" down || fail "second down (nothing up) failed"
 
-if [[ -n $shared_before ]]; then
-  [[ $(shared_pids) == "$shared_before" ]] ||
-    fail "shared testbed $ELASTRUN_SHARED_TESTBED_ID changed: before '$shared_before' after '$(shared_pids)'"
-fi
+check_shared_testbed
 echo "PASS: down leaves nothing behind (testbed '$TESTBED_ID')"

@@ -7,32 +7,8 @@
 # Environment: ELASTRUN_TESTBED (testbed script), TESTBED_ID (private id), optional
 # ELASTRUN_SHARED_TESTBED_ID.
 set -euo pipefail
-
-TB=${ELASTRUN_TESTBED:-$(dirname "$0")/testbed}
-[[ -n ${TESTBED_ID:-} && ${TESTBED_ID} != "${ELASTRUN_SHARED_TESTBED_ID:-}" ]] ||
-  { echo "FAIL: set TESTBED_ID to a private id (not the shared testbed's)" >&2; exit 1; }
-SRUN_PID=
-
-cleanup() {
-  local rc=$?
-  if [[ -n $SRUN_PID ]] && kill -0 "$SRUN_PID" 2>/dev/null; then
-    kill -KILL "$SRUN_PID" 2>/dev/null || true
-    wait "$SRUN_PID" 2>/dev/null || true
-  fi
-  if ((rc == 0)); then
-    "$TB" down || rc=1
-  else
-    "$TB" status >&2 || true
-    TESTBED_KEEP=1 "$TB" down || true # keep the logs of a failed run
-  fi
-  exit "$rc"
-}
-trap cleanup EXIT
-
-fail() {
-  printf 'FAIL: %s\n' "$*" >&2
-  exit 1
-}
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
+private_testbed --given-id --keep-on-failure
 
 # PIDs of processes running as tasks on node $1 of this testbed, with command name $2
 task_pids() {
@@ -45,33 +21,21 @@ task_pids() {
   return 0
 }
 
-gone() { # every PID in $@ is gone or a zombie
-  local p st
-  for p in "$@"; do
-    st=$(awk '{ s = $0; sub(/^.*\) /, "", s); split(s, f, " "); print f[1] }' "/proc/$p/stat" 2>/dev/null) || continue
-    [[ $st == Z ]] || return 1
-  done
-}
+gone() { [[ -z $(alive_pids "$@") ]]; } # every PID in $@ is gone or a zombie
+sleeping_on_both() { [[ -n $(task_pids n1 sleep) && -n $(task_pids n2 sleep) ]]; }
 
-shared_pids() { TESTBED_ID=$ELASTRUN_SHARED_TESTBED_ID "$TB" status 2>/dev/null | awk '$1 ~ /^(ctld|munged|slurmd)$/'; }
-shared_before=
-if [[ -n ${ELASTRUN_SHARED_TESTBED_ID:-} ]]; then shared_before=$(shared_pids); fi
-
-"$TB" down >/dev/null 2>&1 || true # leftovers of an aborted earlier run
+remember_shared_testbed
 t0=$SECONDS
-"$TB" up 2
+testbed_up 2
 echo "up took $((SECONDS - t0)) s"
 eval "$("$TB" env)"
 
 # a step on both nodes that survives node failure
 srun -N2 -n2 --no-kill sleep 600 &
 SRUN_PID=$!
-deadline=$((SECONDS + 60))
-until [[ -n $(task_pids n1 sleep) && -n $(task_pids n2 sleep) ]]; do
-  ((SECONDS < deadline)) || fail "srun -N2 sleep did not start tasks on n1 and n2 within 60 s"
-  kill -0 "$SRUN_PID" 2>/dev/null || fail "srun exited early"
-  sleep 0.5
-done
+track_pid "$SRUN_PID"
+wait_for -a "$SRUN_PID" "srun exited early" 60 sleeping_on_both ||
+  fail "srun -N2 sleep did not start tasks on n1 and n2 within 60 s"
 mapfile -t n2_tasks < <(task_pids n2 sleep)
 mapfile -t n1_tasks < <(task_pids n1 sleep)
 mapfile -t n2_all < <("$TB" pids n2)
@@ -102,12 +66,7 @@ st=$(sinfo -h -n n2 -o %T)
 out=$(timeout 120 srun -N1 -n1 -w n2 bash -c 'echo "$SLURMD_NODENAME"') || fail "srun on revived n2 failed"
 [[ $out == n2 ]] || fail "srun -w n2 ran on '$out'"
 
-if [[ -n $shared_before ]]; then
-  [[ $(shared_pids) == "$shared_before" ]] ||
-    fail "shared testbed $ELASTRUN_SHARED_TESTBED_ID changed: before '$shared_before' after '$(shared_pids)'"
-fi
+check_shared_testbed
 
-kill -KILL "$SRUN_PID" 2>/dev/null || true
-wait "$SRUN_PID" 2>/dev/null || true
-SRUN_PID=
+stop_pid "$SRUN_PID"
 echo "PASS: kill-node/revive-node on testbed '$TESTBED_ID'"

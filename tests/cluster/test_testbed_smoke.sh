@@ -5,13 +5,8 @@
 # so nodes may be mixed/allocated; the sruns ask for --oversubscribe and may still queue for a while.
 # Environment: ELASTRUN_TESTBED (path of the testbed script), TESTBED_ID (of the shared testbed).
 set -euo pipefail
-
-TB=${ELASTRUN_TESTBED:-$(dirname "$0")/testbed}
-fail() {
-  printf 'FAIL: %s\n' "$*" >&2
-  "$TB" status >&2 || true
-  exit 1
-}
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
+on_failure '"$TB" status >&2 || true'
 
 eval "$("$TB" env)"
 [[ -r $SLURM_CONF ]] || fail "testbed '$TESTBED_ID' is not up ($SLURM_CONF missing); run the testbed_up fixture"
