@@ -16,34 +16,13 @@
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-launcher),
 # ELASTRUN_BIN (build/bin).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 worker=$1
-TB=$ELASTRUN_TESTBED
-export TESTBED_ID="${TESTBED_ID}-launcher"
-out=$(mktemp -d)
 # Agents keep per-run files under $TMPDIR (srun passes it on); the test removes them.
-mkdir -p "$out/tmp" && export TMPDIR="$out/tmp"
-chmod 755 "$out"
-srun_pid=
-
-cleanup() {
-  local rc=$?
-  if [[ -n $srun_pid ]] && kill -0 "$srun_pid" 2>/dev/null; then
-    kill -KILL "$srun_pid" 2>/dev/null || true
-    wait "$srun_pid" 2>/dev/null || true
-  fi
-  if ((rc != 0)); then
-    for f in "$out"/*.log; do [[ -e $f ]] && { echo "--- $f" >&2; tail -60 "$f" >&2; }; done
-  fi
-  "$TB" down >/dev/null || rc=1
-  rm -rf "$out"
-  exit "$rc"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-
-"$TB" down >/dev/null 2>&1 || true
-"$TB" up 4
-eval "$("$TB" env)"
+sandbox --tmpdir
+out=$SANDBOX
+show_on_failure 60 "$out/*.log"
+private_testbed_up 4 launcher
 
 # ---- 1. success path ------------------------------------------------------------------------
 mkdir -p "$out/ok"
@@ -95,22 +74,13 @@ TEST_WORKER_OUT_DIR=$out/kill TEST_WORKER_SLEEP=120 TEST_WORKER_SLEEP_WORLD_SIZE
   "$ELASTRUN_BIN/elastrun" --nnodes=2:4 --nproc-per-node=2 --rdzv-conf heartbeat_timeout=2 "$worker" \
   >"$out/kill.log" 2>&1 &
 srun_pid=$!
-deadline=$((SECONDS + 120))
-until [[ $(ls "$out/kill"/rank*.json 2>/dev/null | wc -l) -ge 8 ]]; do
-  ((SECONDS < deadline)) || fail "8 workers did not start"
-  kill -0 "$srun_pid" 2>/dev/null || fail "srun ended early"
-  sleep 0.5
-done
+track_pid "$srun_pid"
+wait_for -a "$srun_pid" "srun ended early" 120 have_files 8 "$out/kill/rank*.json" || fail "8 workers did not start"
 "$TB" kill-node n3
 killed=$SECONDS
-deadline=$((SECONDS + 120))
-until [[ $(grep -c "done; exiting 0" "$out/kill.log") -ge 3 ]]; do
-  ((SECONDS < deadline)) || fail "the three survivors did not finish after kill-node n3"
-  sleep 0.5
-done
+wait_for 120 have_lines 3 "done; exiting 0" "$out/kill.log" || fail "the three survivors did not finish after kill-node n3"
 echo "kill-node n3 -> survivors finished in $((SECONDS - killed)) s"
-wait "$srun_pid" || true  # srun reports the lost node's task as failed
-srun_pid=
+await "$srun_pid" || true  # srun reports the lost node's task as failed
 /usr/bin/python3 - "$out/kill" <<'PY'
 import glob, json, sys
 runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
@@ -157,11 +127,8 @@ mkdir -p "$out/kill9"
 TEST_WORKER_OUT_DIR=$out/kill9 TEST_WORKER_SLEEP=120 srun --no-kill -N4 --ntasks-per-node=1 \
   "$ELASTRUN_BIN/elastrun" --nnodes=4 --nproc-per-node=2 "$worker" >"$out/kill9.log" 2>&1 &
 srun_pid=$!
-deadline=$((SECONDS + 120))
-until [[ $(ls "$out/kill9"/rank*.json 2>/dev/null | wc -l) -ge 8 ]]; do
-  ((SECONDS < deadline)) || fail "8 workers did not start"
-  sleep 0.5
-done
+track_pid "$srun_pid"
+wait_for 120 have_files 8 "$out/kill9/rank*.json" || fail "8 workers did not start"
 agent=
 for p in /proc/[0-9]*; do
   [[ $(readlink "$p/exe" 2>/dev/null) == "$ELASTRUN_BIN/elastrun" ]] || continue
@@ -176,18 +143,12 @@ for f in glob.glob(sys.argv[1] + "/rank*.json"):
     if r["ELASTRUN_NODE"] == "n2": print(r["pid"])' "$out/kill9")
 [[ $(wc -w <<<"$n2_workers") -eq 2 ]] || fail "expected 2 workers on n2, got '$n2_workers'"
 kill -KILL "$agent"
-deadline=$((SECONDS + 30))
-for w in $n2_workers; do
-  while kill -0 "$w" 2>/dev/null && [[ $(awk '{print $3}' "/proc/$w/stat" 2>/dev/null) != Z ]]; do
-    ((SECONDS < deadline)) || fail "worker $w of the SIGKILLed agent on n2 is still alive"
-    sleep 0.2
-  done
-done
+gone() { [[ -z $(alive_pids "$@") ]]; }
+# shellcheck disable=SC2086 # one PID a word
+wait_for -i 0.2 30 gone $n2_workers || fail "worker $(alive_pids $n2_workers) of the SIGKILLed agent on n2 is still alive"
 echo "ok: kill -9 of n2's agent: its workers $(echo $n2_workers) are gone"
 scancel "$(squeue -h -o %i | head -1)" 2>/dev/null || true
-kill -KILL "$srun_pid" 2>/dev/null || true
-wait "$srun_pid" 2>/dev/null || true
-srun_pid=
+stop_pid "$srun_pid"
 
 # ---- 6. a bad flag: exit 2, one line, no worker ---------------------------------------------
 rc=0

@@ -10,34 +10,14 @@
 # Usage: test_ddp_slurm.sh path/to/ddp_worker.py
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-ddp), ELASTRUN_BIN.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 script=$1
 py=${ELASTRUN_TEST_PYTHON:-/usr/bin/python3}
-"$py" -c 'import torch.distributed' 2>/dev/null || { echo "skip: $py has no torch"; exit 77; }
-TB=$ELASTRUN_TESTBED
-export TESTBED_ID="${TESTBED_ID}-ddp"
-out=$(mktemp -d)
-mkdir -p "$out/tmp" && export TMPDIR="$out/tmp"
-chmod 755 "$out"
-srun_pid=
-cleanup() {
-  local rc=$?
-  if [[ -n $srun_pid ]] && kill -0 "$srun_pid" 2>/dev/null; then
-    kill -KILL "$srun_pid" 2>/dev/null || true
-    wait "$srun_pid" 2>/dev/null || true
-  fi
-  if ((rc != 0)); then
-    for f in "$out"/*.log; do [[ -e $f ]] && { echo "--- $f" >&2; tail -60 "$f" >&2; }; done
-  fi
-  "$TB" down >/dev/null || rc=1
-  rm -rf "$out"
-  exit "$rc"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-
-"$TB" down >/dev/null 2>&1 || true
-"$TB" up 2
-eval "$("$TB" env)"
+"$py" -c 'import torch.distributed' 2>/dev/null || skip "$py has no torch"
+sandbox --tmpdir
+out=$SANDBOX
+show_on_failure 60 "$out/*.log"
+private_testbed_up 2
 export ELASTRUN_PYTHON=$py
 
 check() {  # check DIR RESTART_COUNT
@@ -63,9 +43,8 @@ mkdir -p "$out/ok"
 start=$SECONDS
 timeout 300 srun --no-kill -N2 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" --nproc-per-node=2 \
   "$script" "$out/ok" >"$out/ok.log" 2>&1 &
-srun_pid=$!
-wait "$srun_pid" || fail "srun elastrun (DDP) exited $?"
-srun_pid=
+track_pid $!
+await $! || fail "srun elastrun (DDP) exited $?"
 echo "DDP run: $((SECONDS - start)) s"
 check "$out/ok" 0 || fail "DDP training results"
 [[ $(grep -c "done; exiting 0" "$out/ok.log") -eq 2 ]] || fail "not every agent exited 0"
@@ -76,9 +55,8 @@ mkdir -p "$out/fail"
 start=$SECONDS
 DDP_TEST_FAIL_ONCE=$out/fail/failed-once timeout 300 srun --no-kill -N2 --ntasks-per-node=1 \
   "$ELASTRUN_BIN/elastrun" --nproc-per-node=2 --max-restarts=1 "$script" "$out/fail" >"$out/fail.log" 2>&1 &
-srun_pid=$!
-wait "$srun_pid" || fail "srun elastrun (DDP, one failure) exited $?"
-srun_pid=
+track_pid $!
+await $! || fail "srun elastrun (DDP, one failure) exited $?"
 echo "DDP run with one failure: $((SECONDS - start)) s"
 grep -q "worker 3 .* failed: .*ddp test failure on purpose" "$out/fail.log" ||
   fail "the @record error file's message is not in the agent's failure line"

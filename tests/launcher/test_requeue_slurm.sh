@@ -25,34 +25,32 @@
 #   then the second run finishes; the ledger counts one preempt requeue.
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (this test uses <id>-requeue), ELASTRUN_BIN.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 case_name=$1
 worker=$2
-TB=$ELASTRUN_TESTBED
-export TESTBED_ID="${TESTBED_ID}-requeue"
-out=$(mktemp -d)
-mkdir -p "$out/tmp"
-chmod 755 "$out"
+sandbox
+out=$SANDBOX
 job=
-
-cleanup() {
-  local rc=$?
-  if [[ -n $job ]]; then scancel "$job" 2>/dev/null || true; fi
-  if ((rc != 0)); then
-    for f in "$out"/job.out; do [[ -e $f ]] && { echo "--- $f" >&2; tail -80 "$f" >&2; }; done
-    scontrol show job "$job" 2>/dev/null | head -20 >&2 || true
-  fi
-  "$TB" down >/dev/null || rc=1
-  rm -rf "$out"
-  exit "$rc"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
+show_on_failure 80 "$out/job.out"
+on_failure 'scontrol show job "$job" 2>/dev/null | head -20 >&2'
+on_exit '[[ -z $job ]] || scancel "$job" 2>/dev/null'
 job_state() { scontrol show job "$job" 2>/dev/null | grep -oP 'JobState=\K\S+' || echo GONE; }
+job_completed() { [[ $(job_state) == COMPLETED ]]; }
+# second_run_done START EVENT [LOST]: the requeued job comes back (300 s; LOST: the node whose loss
+# requeued it), restarted how long after EVENT (at SECONDS=START); its second run finishes (180 s)
+# and the job ends COMPLETED (60 s)
+second_run_done() {
+  wait_for -i 1 300 test -e "$out/batch.run1" ||
+    fail "the job did not come back${3:+ after losing $3} (state $(job_state))"
+  echo "job $job requeued and restarted $((SECONDS - $1)) s after $2"
+  wait_for -i 1 180 grep -qs "srun exited .* in run 1" "$out/job.out" ||
+    fail "the second run did not finish (state $(job_state))"
+  wait_for -i 1 60 job_completed || true
+  [[ $(job_state) == COMPLETED ]] || fail "job state $(job_state), expected COMPLETED"
+}
 
-"$TB" down >/dev/null 2>&1 || true
 [[ $case_name == preempt ]] && export TESTBED_PREEMPT=1 TESTBED_GRACE_TIME=20
-"$TB" up "$([[ $case_name == signal || $case_name == preempt ]] && echo 2 || echo 3)"
-eval "$("$TB" env)"
+private_testbed_up "$([[ $case_name == signal || $case_name == preempt ]] && echo 2 || echo 3)"
 
 if [[ $case_name == node || $case_name == rendezvous ]]; then
   join_timeout=20; [[ $case_name == rendezvous ]] && join_timeout=600
@@ -72,11 +70,7 @@ EOF
   # -k: the allocation survives a node failure (else slurmctld itself kills or requeues the job)
   job=$(sbatch --parsable -N2 -k --requeue --open-mode=append -o "$out/job.out" "$out/job.sh")
   echo "submitted job $job"
-  deadline=$((SECONDS + 120))
-  until [[ $(ls "$out"/run0/rank*.json 2>/dev/null | wc -l) -ge 2 ]]; do
-    ((SECONDS < deadline)) || fail "2 workers of the first run did not start (job state $(job_state))"
-    sleep 0.5
-  done
+  wait_for 120 have_files 2 "$out/run0/rank*.json" || fail "2 workers of the first run did not start (job state $(job_state))"
   victim=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ELASTRUN_NODE"])' \
     "$(ls "$out"/run0/rank1.gen*.json | head -1)")
   "$TB" kill-node "$victim"
@@ -84,28 +78,13 @@ EOF
   echo "killed $victim (group rank 1)"
   if [[ $case_name == rendezvous ]]; then
     # the survivor's second RENDEZVOUS: it waits for a 2nd node that will not come
-    deadline=$((SECONDS + 120))
-    until (($(grep -c "\] state RENDEZVOUS run" "$out/job.out" 2>/dev/null) >= 3)); do
-      ((SECONDS < deadline)) || fail "the survivor did not go back to RENDEZVOUS (state $(job_state))"
-      sleep 0.5
-    done
+    wait_for 120 have_lines 3 "\] state RENDEZVOUS run" "$out/job.out" ||
+      fail "the survivor did not go back to RENDEZVOUS (state $(job_state))"
     sleep 1
     scancel --signal=USR1 "$job"
     echo "sent USR1 to job $job while the survivor waits in RENDEZVOUS"
   fi
-  deadline=$((SECONDS + 300))
-  until [[ -e $out/batch.run1 ]]; do
-    ((SECONDS < deadline)) || fail "the job did not come back after losing $victim (state $(job_state))"
-    sleep 1
-  done
-  echo "job $job requeued and restarted $((SECONDS - killed)) s after kill-node $victim"
-  deadline=$((SECONDS + 180))
-  until grep -q "srun exited .* in run 1" "$out/job.out" 2>/dev/null; do
-    ((SECONDS < deadline)) || fail "the second run did not finish (state $(job_state))"
-    sleep 1
-  done
-  for _ in $(seq 60); do [[ $(job_state) == COMPLETED ]] && break; sleep 1; done
-  [[ $(job_state) == COMPLETED ]] || fail "job state $(job_state), expected COMPLETED"
+  second_run_done "$killed" "kill-node $victim" "$victim"
   /usr/bin/python3 - "$out" "$victim" "$case_name" <<'PY'
 import glob, json, sys
 out, victim = sys.argv[1], sys.argv[2]
@@ -155,11 +134,7 @@ mkdir -p "$out/ckpt"
 job=$(sbatch --parsable -N2 --requeue --open-mode=append -o "$out/job.out" "$out/job.sh")
 echo "submitted job $job"
 
-deadline=$((SECONDS + 120))
-until [[ $(ls "$out"/run0/rank*.json 2>/dev/null | wc -l) -ge 4 ]]; do
-  ((SECONDS < deadline)) || fail "4 workers of the first run did not start (job state $(job_state))"
-  sleep 0.5
-done
+wait_for 120 have_files 4 "$out/run0/rank*.json" || fail "4 workers of the first run did not start (job state $(job_state))"
 sleep 1  # the workers poll the channel right after they print their environment
 if [[ $case_name == preempt ]]; then
   urgent=$(sbatch --parsable -p urgent -N2 --exclusive -o "$out/urgent.out" --wrap "echo urgent ran")
@@ -171,19 +146,7 @@ else
   echo "sent USR1 to job $job"
 fi
 
-deadline=$((SECONDS + 300))
-until [[ -e $out/batch.run1 ]]; do
-  ((SECONDS < deadline)) || fail "the job did not come back (state $(job_state))"
-  sleep 1
-done
-echo "job $job requeued and restarted $((SECONDS - signalled)) s after $([[ $case_name == preempt ]] && echo "the urgent job's submission" || echo USR1)"
-deadline=$((SECONDS + 180))
-until grep -q "srun exited .* in run 1" "$out/job.out" 2>/dev/null; do
-  ((SECONDS < deadline)) || fail "the second run did not finish (state $(job_state))"
-  sleep 1
-done
-for _ in $(seq 60); do [[ $(job_state) == COMPLETED ]] && break; sleep 1; done
-[[ $(job_state) == COMPLETED ]] || fail "job state $(job_state), expected COMPLETED"
+second_run_done "$signalled" "$([[ $case_name == preempt ]] && echo "the urgent job's submission" || echo USR1)"
 
 cls=$([[ $case_name == preempt ]] && echo preempt || echo timelimit)
 /usr/bin/python3 - "$out" "$cls" <<'PY'

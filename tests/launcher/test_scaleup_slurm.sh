@@ -16,12 +16,12 @@
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-scaleup),
 # ELASTRUN_BIN (build/bin).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 worker=$1
 
 if [[ ${2:-} == --in-allocation ]]; then
   # ---- inside `salloc --no-kill -N4` (SLURM_JOB_NODELIST=n[1-4] for every step) ---------------
   out=$3
-  fail() { echo "FAIL: $*" >&2; exit 1; }
   wrapper=$out/worker.sh
   # the recorded port of step 0 (zero flags): 24000 + (job id * 32 + step id 0) mod 8000
   port=$((24000 + (SLURM_JOB_ID * 32) % 8000))
@@ -29,45 +29,29 @@ if [[ ${2:-} == --in-allocation ]]; then
   srun --no-kill -N4 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" "${common[@]}" "$wrapper" \
     >"$out/step0.log" 2>&1 &
   step0=$!
-  late=
-  finish() {
-    local rc=$?
-    for p in $step0 $late; do
-      if kill -0 "$p" 2>/dev/null; then kill -KILL "$p" 2>/dev/null || true; fi
-      wait "$p" 2>/dev/null || true
-    done
-    exit "$rc"
+  track_pid "$step0"
+  step0_waits() {  # step0_waits WHAT SECONDS COMMAND...: fails with WHAT after SECONDS or if step 0 ends
+    local what=$1
+    shift
+    wait_for -i 0.3 -a "$step0" "step 0 ended early ($what)" "$@" || fail "$what"
   }
-  trap finish EXIT
-  count() { ls "$out"/rank*."$1".json 2>/dev/null | wc -l; }  # workers that saw WORLD_SIZE $1
-  wait_for() {  # wait_for WHAT SECONDS COMMAND...
-    local what=$1 deadline=$((SECONDS + $2))
-    shift 2
-    until "$@"; do
-      ((SECONDS < deadline)) || fail "$what"
-      kill -0 "$step0" 2>/dev/null || fail "step 0 ended early ($what)"
-      sleep 0.3
-    done
-  }
-  ge() { (($(count "$1") >= $2)); }
-  wait_for "8 workers did not start" 120 ge w8 8
+  ge() { have_files "$2" "$out/rank*.$1.json"; } # ge w6 6: at least 6 workers saw WORLD_SIZE 6
+  step0_waits "8 workers did not start" 120 ge w8 8
   grep -q "hosting the rendezvous store on port $port" "$out/step0.log" ||
     fail "step 0's store is not on the documented port $port: $(grep -m1 'hosting' "$out/step0.log")"
   echo "8 workers on n1..n4; store on n1:$port"
 
-  "$ELASTRUN_TESTBED" kill-node n3
-  wait_for "the survivors did not re-form with WORLD_SIZE 6" 120 ge w6 6
+  "$TB" kill-node n3
+  step0_waits "the survivors did not re-form with WORLD_SIZE 6" 120 ge w6 6
   echo "kill-node n3 -> 6 workers on n1 n2 n4"
 
   # Once Slurm has marked n3 down it removes n3 from the job (--no-kill keeps the job); a revived
   # n3 is then idle and outside the allocation: a step on it is refused.
-  "$ELASTRUN_TESTBED" wait-node n3 down 90
-  deadline=$((SECONDS + 60))
-  until [[ $(scontrol show job "$SLURM_JOB_ID" | grep -o ' NodeList=[^ ]*') == " NodeList=n[1-2,4]" ]]; do
-    ((SECONDS < deadline)) || fail "slurmctld did not drop n3 from the job: $(scontrol show job "$SLURM_JOB_ID" | grep ' NodeList=')"
-    sleep 0.5
-  done
-  "$ELASTRUN_TESTBED" revive-node n3
+  "$TB" wait-node n3 down 90
+  n3_dropped() { [[ $(scontrol show job "$SLURM_JOB_ID" | grep -o ' NodeList=[^ ]*') == " NodeList=n[1-2,4]" ]]; }
+  wait_for 60 n3_dropped ||
+    fail "slurmctld did not drop n3 from the job: $(scontrol show job "$SLURM_JOB_ID" | grep ' NodeList=')"
+  "$TB" revive-node n3
   if timeout 20 srun --no-kill -N1 -w n3 true >"$out/n3.log" 2>&1; then
     fail "a step on the revived n3 was accepted: the job should no longer own n3"
   fi
@@ -79,11 +63,12 @@ if [[ ${2:-} == --in-allocation ]]; then
   run_id="$SLURM_JOB_ID.r${SLURM_RESTART_COUNT:-0}"
   six_gen=$(ls "$out"/rank*.w6.json | sed 's/.*\.gen\([0-9]*\)\.w6\.json/\1/' | sort -n | tail -1)
   (
-    for v in $(compgen -e | grep '^SLURM_' | grep -vx SLURM_CONF); do unset "$v"; done
+    unset_env '^SLURM_' SLURM_CONF
     exec srun --no-kill -N1 -w n3 -J late-agent "$ELASTRUN_BIN/elastrun" "${common[@]}" \
       --rdzv-endpoint="n1:$port" --rdzv-id="$run_id" --node-rank=4 "$wrapper"
   ) >"$out/late.log" 2>&1 &
   late=$!
+  track_pid "$late"
   # a complete 8-worker round after the 6-worker one, n3 in it
   final_gen=
   final8() {
@@ -99,51 +84,23 @@ if [[ ${2:-} == --in-allocation ]]; then
     done
     return 1
   }
-  wait_for "the late agent on the revived n3 was not admitted into an 8-worker round" 120 final8
+  step0_waits "the late agent on the revived n3 was not admitted into an 8-worker round" 120 final8
   late_job=$(squeue -h -n late-agent -o %i | head -1)
   [[ -n $late_job && $late_job != "$SLURM_JOB_ID" ]] || fail "the late agent is not in a job of its own ('$late_job')"
   echo "late agent on the revived n3 (job $late_job) admitted: generation $final_gen has 8 workers"
   touch "$out/release"
 
-  deadline=$((SECONDS + 120))
-  until (($(cat "$out/step0.log" "$out/late.log" | grep -c "done; exiting 0") >= 4)); do
-    ((SECONDS < deadline)) || fail "the 4 agents did not all finish"
-    sleep 0.3
-  done
-  wait "$late" || fail "the late agent's job exited $?"
-  late=
-  wait "$step0" || true  # srun reports the lost n3's task as failed
-  step0=
+  wait_for -i 0.3 120 have_lines 4 "done; exiting 0" "$out/step0.log" "$out/late.log" || fail "the 4 agents did not all finish"
+  await "$late" || fail "the late agent's job exited $?"
+  await "$step0" || true  # srun reports the lost n3's task as failed
   exit 0
 fi
 
 # ---- outside: a private testbed with 5 nodes ------------------------------------------------
-TB=$ELASTRUN_TESTBED
-export TESTBED_ID="${TESTBED_ID}-scaleup"
-out=$(mktemp -d)
-mkdir -p "$out/tmp" && export TMPDIR="$out/tmp"  # the agents' per-run files
-chmod 755 "$out"
-salloc_pid=
-srun_pid=
-cleanup() {
-  local rc=$?
-  for p in $salloc_pid $srun_pid; do
-    if kill -0 "$p" 2>/dev/null; then kill -KILL "$p" 2>/dev/null || true; fi
-    wait "$p" 2>/dev/null || true
-  done
-  if ((rc != 0)); then
-    for f in "$out"/*.log "$out"/spare/*.log; do [[ -e $f ]] && { echo "--- $f" >&2; tail -60 "$f" >&2; }; done
-  fi
-  "$TB" down >/dev/null || rc=1
-  rm -rf "$out"
-  exit "$rc"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-
-"$TB" down >/dev/null 2>&1 || true
-"$TB" up 5
-eval "$("$TB" env)"
+sandbox --tmpdir  # TMPDIR: the agents' per-run files
+out=$SANDBOX
+show_on_failure 60 "$out/*.log" "$out/spare/*.log"
+private_testbed_up 5
 export ELASTRUN_TESTBED=$TB
 
 # each worker records its environment (file name also tagged with its world size), then waits
@@ -160,9 +117,8 @@ export TEST_WORKER_OUT_DIR=$out
 
 start=$SECONDS
 timeout 500 salloc --no-kill -N4 -w 'n[1-4]' "$0" "$worker" --in-allocation "$out" >"$out/salloc.log" 2>&1 &
-salloc_pid=$!
-wait "$salloc_pid" || { cat "$out/salloc.log" >&2; fail "the allocation's driver failed"; }
-salloc_pid=
+track_pid $!
+await $! || { cat "$out/salloc.log" >&2; fail "the allocation's driver failed"; }
 cat "$out/salloc.log"
 echo "scale-up scenario: $((SECONDS - start)) s"
 
@@ -206,32 +162,20 @@ export TEST_WORKER_OUT_DIR=$spare
 srun --no-kill -N5 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" --nnodes=2:4 --nproc-per-node=2 \
   --rdzv-conf heartbeat_timeout=2 "$out/worker.sh" >"$spare/spare.log" 2>&1 &
 srun_pid=$!
-deadline=$((SECONDS + 120))
-until (($(ls "$spare"/rank*.w8.json 2>/dev/null | wc -l) >= 8)) && grep -q "waiting for the next round" "$spare/spare.log"; do
-  ((SECONDS < deadline)) || fail "5 agents: no 8-worker round with one agent waiting"
-  kill -0 "$srun_pid" 2>/dev/null || fail "srun -N5 ended early"
-  sleep 0.3
-done
+track_pid "$srun_pid"
+one_waits() { have_files 8 "$spare/rank*.w8.json" && grep -q "waiting for the next round" "$spare/spare.log"; }
+wait_for -i 0.3 -a "$srun_pid" "srun -N5 ended early" 120 one_waits || fail "5 agents: no 8-worker round with one agent waiting"
 waiting=$(grep -m1 "waiting for the next round" "$spare/spare.log" | sed 's/^\[elastrun node \([^]]*\)\].*/\1/')
 victim=$(/usr/bin/python3 -c 'import glob, json, sys
 runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.w8.json")]
 print(max(runs, key=lambda r: int(r["RANK"]))["ELASTRUN_NODE"])' "$spare")
 echo "5 agents: 8 workers, $waiting waits; kill-node $victim"
 "$TB" kill-node "$victim"
-deadline=$((SECONDS + 120))
-until grep -ls "\"ELASTRUN_NODE\":\"$waiting\"" "$spare"/rank*.w8.json >/dev/null 2>&1 &&
-  (($(ls "$spare"/rank*.w8.json | wc -l) >= 16)); do
-  ((SECONDS < deadline)) || fail "the spare $waiting did not replace $victim"
-  sleep 0.3
-done
+replaced() { grep -ls "\"ELASTRUN_NODE\":\"$waiting\"" "$spare"/rank*.w8.json >/dev/null 2>&1 && have_files 16 "$spare/rank*.w8.json"; }
+wait_for -i 0.3 120 replaced || fail "the spare $waiting did not replace $victim"
 touch "$spare/release"
-deadline=$((SECONDS + 120))
-until (($(grep -c "done; exiting 0" "$spare/spare.log") >= 4)); do
-  ((SECONDS < deadline)) || fail "the 4 agents (with the spare) did not finish"
-  sleep 0.3
-done
-wait "$srun_pid" || true  # the lost node's task counts as failed
-srun_pid=
+wait_for -i 0.3 120 have_lines 4 "done; exiting 0" "$spare/spare.log" || fail "the 4 agents (with the spare) did not finish"
+await "$srun_pid" || true  # the lost node's task counts as failed
 /usr/bin/python3 - "$spare" "$waiting" "$victim" <<'PY'
 import glob, json, sys
 d, waiting, victim = sys.argv[1:]

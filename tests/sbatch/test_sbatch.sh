@@ -18,24 +18,13 @@
 # Usage: test_sbatch.sh CASE path/to/launcher_test_worker [path/to/train]
 # Environment: SLURM_CONF etc. of the shared testbed (ELASTRUN_TESTBED_ENV), ELASTRUN_BIN, SBATCH_DIR.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 case_=$1 worker=$2 train=${3:-}
-out=$(mktemp -d)
-chmod 755 "$out"
-mkdir -p "$out/tmp"
-job= waiter= private=
-cleanup() {
-  local rc=$?
-  [[ -n $job ]] && scancel "$job" 2>/dev/null || true
-  [[ -n $waiter ]] && { kill "$waiter" 2>/dev/null; wait "$waiter" 2>/dev/null; } || true
-  [[ -n $private ]] && { "$ELASTRUN_TESTBED" down >/dev/null || rc=1; }
-  if ((rc != 0)); then
-    for f in "$out"/*.out; do [[ -e $f ]] && { echo "--- $f" >&2; tail -40 "$f" >&2; }; done
-  fi
-  rm -rf "$out"
-  exit "$rc"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
+sandbox
+out=$SANDBOX
+job=
+on_exit '[[ -z $job ]] || scancel "$job" 2>/dev/null'
+show_on_failure 40 "$out/*.out"
 
 # Submits a script and waits for it; prints the job's exit code. TMPDIR goes with the job so
 # the agents' per-run files land in $out.
@@ -49,6 +38,32 @@ submit() {
     >"$out/submit.txt" 2>&1 || rc=$?
   job=
   echo "$rc"
+}
+
+# job_in_background N SBATCH_OPTION... -- SCRIPT ARGS...: submit SCRIPT (with the sbatch options,
+# if any) in the background; its exit code goes to $out/rc.txt. Waits (120 s) until N workers run,
+# then sets job; the job must not end before.
+job_in_background() {
+  local n=$1
+  shift
+  local options=()
+  while [[ $1 != -- ]]; do options+=("$1"); shift; done
+  shift
+  (sbatch_options=("${options[@]}"); submit "$@" >"$out/rc.txt") &
+  waiter=$!
+  track_pid -s TERM "$waiter"
+  wait_for -a "$waiter" "the job ended early" 120 have_files "$n" "$out/rank*.json" || fail "$n workers did not start"
+  job=$(head -1 "$out/submit.txt" | cut -d';' -f1)
+}
+
+# job_completed WHAT: the background job exited 0 and ended COMPLETED (else fail naming WHAT)
+job_completed() {
+  await "$waiter"
+  rc=$(cat "$out/rc.txt")
+  ((rc == 0)) || fail "the job ended with $rc$1"
+  state=$(scontrol show job "$job" | grep -o 'JobState=[A-Z]*')
+  [[ $state == JobState=COMPLETED ]] || fail "job $job: $state, expected COMPLETED"
+  job=
 }
 
 case $case_ in
@@ -90,24 +105,19 @@ usage)
   echo "ok: a missing program fails the job with a usage line"
   ;;
 requeue)
-  [[ -x $train ]] || { echo "no libtorch example trainer: skipped"; exit 77; }
+  [[ -x $train ]] || skip "no libtorch example trainer"
   TMPDIR=$out/tmp CKPT=$out/ck NPROC=2 ELASTRUN=$ELASTRUN_BIN/elastrun \
     sbatch --parsable --nodes=2 --chdir="$out" --output="$out/requeue.out" "$SBATCH_DIR/requeue.sbatch" \
     "$train" --steps 400 --step-ms 50 --ckpt-every 0 >"$out/submit.txt"
   job=$(cut -d';' -f1 "$out/submit.txt")
-  deadline=$((SECONDS + 180))
-  until grep -q "step 20/400" "$out/requeue.out" 2>/dev/null; do
-    ((SECONDS < deadline)) || fail "job $job did not start training"
-    sleep 0.5
-  done
+  wait_for 180 grep -qs "step 20/400" "$out/requeue.out" || fail "job $job did not start training"
   scancel --signal=USR1 "$job"
-  deadline=$((SECONDS + 300))
-  until scontrol show job "$job" | grep -q "JobState=COMPLETED"; do
-    ((SECONDS < deadline)) || fail "job $job did not complete after the requeue: $(scontrol show job "$job" | grep -o 'JobState=[A-Z_]*')"
+  completed() {
     state=$(scontrol show job "$job" | grep -o 'JobState=[A-Z_]*')
     [[ $state == JobState=FAILED || $state == JobState=CANCELLED ]] && fail "job $job: $state"
-    sleep 1
-  done
+    [[ $state == JobState=COMPLETED ]]
+  }
+  wait_for -i 1 300 completed || fail "job $job did not complete after the requeue: $(scontrol show job "$job" | grep -o 'JobState=[A-Z_]*')"
   scontrol show job "$job" | grep -q "Restarts=1" || fail "job $job was not requeued exactly once"
   job=
   saved=$(grep -o "checkpoint-and-stop: saved step [0-9]*" "$out/requeue.out" | awk '{print $4}' | sort -u)
@@ -119,23 +129,11 @@ requeue)
   echo "ok: USR1 -> checkpoint of step $saved, requeued once, resumed and completed"
   ;;
 spares)
-  export TESTBED_ID="${TESTBED_ID}-sbatch"
-  private=1
-  "$ELASTRUN_TESTBED" down >/dev/null 2>&1 || true
-  "$ELASTRUN_TESTBED" up 4
-  eval "$("$ELASTRUN_TESTBED" env)"
+  private_testbed_up 4
   # workers record their environment, then run until the test releases them
   printf '#!/bin/bash\n"%s" || exit\nuntil [[ -e %s/release ]]; do sleep 0.2; done\n' "$worker" "$out" >"$out/worker.sh"
   chmod +x "$out/worker.sh"
-  (sbatch_options=(--nodes=4); submit spares.sbatch "$out/worker.sh" >"$out/rc.txt") &
-  waiter=$!
-  deadline=$((SECONDS + 120))
-  until [[ $(ls "$out"/rank*.json 2>/dev/null | wc -l) -ge 6 ]]; do
-    ((SECONDS < deadline)) || fail "6 workers did not start"
-    kill -0 "$waiter" 2>/dev/null || fail "the job ended early"
-    sleep 0.5
-  done
-  job=$(head -1 "$out/submit.txt" | cut -d';' -f1)
+  job_in_background 6 --nodes=4 -- spares.sbatch "$out/worker.sh"
   # the first three agents to arrive train; the fourth waits as the spare
   read -r spare victim < <(/usr/bin/python3 - "$out" <<'PY'
 import glob, json, sys
@@ -146,20 +144,11 @@ spare = ({"n1", "n2", "n3", "n4"} - set(training)).pop()
 print(spare, [n for n in training if n != "n1"][0])
 PY
 )
-  "$ELASTRUN_TESTBED" kill-node "$victim"
-  deadline=$((SECONDS + 120))
-  until ls "$out"/rank*.json | xargs grep -l "\"ELASTRUN_NODE\": *\"$spare\"" >/dev/null 2>&1; do
-    ((SECONDS < deadline)) || fail "the spare $spare was not admitted after kill-node $victim"
-    sleep 0.5
-  done
+  "$TB" kill-node "$victim"
+  admitted() { ls "$out"/rank*.json | xargs grep -l "\"ELASTRUN_NODE\": *\"$spare\"" >/dev/null 2>&1; }
+  wait_for 120 admitted || fail "the spare $spare was not admitted after kill-node $victim"
   touch "$out/release"
-  wait "$waiter"
-  waiter=
-  rc=$(cat "$out/rc.txt")
-  ((rc == 0)) || fail "the job ended with $rc"
-  state=$(scontrol show job "$job" | grep -o 'JobState=[A-Z]*')
-  [[ $state == JobState=COMPLETED ]] || fail "job $job: $state, expected COMPLETED"
-  job=
+  job_completed ""
   /usr/bin/python3 - "$out" "$victim" "$spare" <<'PY'
 import glob, json, sys
 runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
@@ -173,28 +162,10 @@ print(f"ok: kill-node {sys.argv[2]} -> the spare {sys.argv[3]} took its place: W
 PY
   ;;
 node_loss)
-  export TESTBED_ID="${TESTBED_ID}-sbatch"
-  private=1
-  "$ELASTRUN_TESTBED" down >/dev/null 2>&1 || true
-  "$ELASTRUN_TESTBED" up 4
-  eval "$("$ELASTRUN_TESTBED" env)"
-  (TEST_WORKER_SLEEP=120 TEST_WORKER_SLEEP_WORLD_SIZE=8 submit elastic.sbatch "$worker" >"$out/rc.txt") &
-  waiter=$!
-  deadline=$((SECONDS + 120))
-  until [[ $(ls "$out"/rank*.json 2>/dev/null | wc -l) -ge 8 ]]; do
-    ((SECONDS < deadline)) || fail "8 workers did not start"
-    kill -0 "$waiter" 2>/dev/null || fail "the job ended early"
-    sleep 0.5
-  done
-  job=$(head -1 "$out/submit.txt" | cut -d';' -f1)
-  "$ELASTRUN_TESTBED" kill-node n3
-  wait "$waiter"
-  waiter=
-  rc=$(cat "$out/rc.txt")
-  ((rc == 0)) || fail "the job ended with $rc after kill-node n3"
-  state=$(scontrol show job "$job" | grep -o 'JobState=[A-Z]*')
-  [[ $state == JobState=COMPLETED ]] || fail "job $job: $state, expected COMPLETED"
-  job=
+  private_testbed_up 4
+  TEST_WORKER_SLEEP=120 TEST_WORKER_SLEEP_WORLD_SIZE=8 job_in_background 8 -- elastic.sbatch "$worker"
+  "$TB" kill-node n3
+  job_completed " after kill-node n3"
   /usr/bin/python3 - "$out" <<'PY'
 import glob, json, sys
 runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]

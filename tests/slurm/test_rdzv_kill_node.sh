@@ -7,56 +7,27 @@
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-rdzv),
 # ELASTRUN_BIN (build/bin).
 set -euo pipefail
-TB=$ELASTRUN_TESTBED
-export TESTBED_ID="${TESTBED_ID}-rdzv"
-out=$(mktemp -d)
-srun_pid=
-
-cleanup() {
-  local rc=$?
-  if [[ -n $srun_pid ]] && kill -0 "$srun_pid" 2>/dev/null; then
-    kill -KILL "$srun_pid" 2>/dev/null || true
-    wait "$srun_pid" 2>/dev/null || true
-  fi
-  if ((rc != 0)); then
-    echo "--- member output" >&2; cat "$out/members.jsonl" >&2 || true
-    echo "--- member stderr" >&2; tail -20 "$out/members.err" >&2 || true
-  fi
-  "$TB" down >/dev/null || rc=1
-  rm -rf "$out"
-  exit "$rc"
-}
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
-
-"$TB" down >/dev/null 2>&1 || true
-"$TB" up 4
-eval "$("$TB" env)"
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
+sandbox
+out=$SANDBOX
+show_on_failure all "$out/members.jsonl"
+show_on_failure 20 "$out/members.err"
+private_testbed_up 4 rdzv
 
 srun --no-kill -N4 --ntasks-per-node=1 "$ELASTRUN_BIN/rdzv_member" --slurm --min 2 --max 4 \
   --hb-ms 2000 --last-call-ms 500 >"$out/members.jsonl" 2>"$out/members.err" &
 srun_pid=$!
+track_pid "$srun_pid"
 
-rounds_of_size() { # number of round events with group_world_size $1
-  grep -c "\"event\":\"round\".*\"group_world_size\":$1," "$out/members.jsonl" 2>/dev/null || true
-}
-wait_for() { # wait_for SECONDS CMD... until CMD succeeds
-  local deadline=$((SECONDS + $1)); shift
-  until "$@"; do
-    ((SECONDS < deadline)) || return 1
-    kill -0 "$srun_pid" 2>/dev/null || fail "srun ended early"
-    sleep 0.5
-  done
-}
-four_formed() { [[ $(rounds_of_size 4) -ge 4 ]]; }
-three_formed() { [[ $(rounds_of_size 3) -ge 3 ]]; }
-two_formed() { [[ $(rounds_of_size 2) -ge 2 ]]; }
+# formed N: at least N round events with group_world_size N
+formed() { have_lines "$1" "\"event\":\"round\".*\"group_world_size\":$1," "$out/members.jsonl"; }
+members_form() { wait_for -a "$srun_pid" "srun ended early" 120 formed "$1"; } # members_form N: within 120 s
 
-wait_for 120 four_formed || fail "four members did not form a round"
+members_form 4 || fail "four members did not form a round"
 grep -q '"members":\["n1","n2","n3","n4"\]' "$out/members.jsonl" || fail "round order is not n1..n4"
 
 "$TB" kill-node n3
-wait_for 120 three_formed || fail "the three survivors did not re-form after kill-node n3"
+members_form 3 || fail "the three survivors did not re-form after kill-node n3"
 
 /usr/bin/python3 - "$out/members.jsonl" <<'PY'
 import json, sys
@@ -72,7 +43,7 @@ print("ok: survivors re-formed:", three[0]["members"], "generation", three[0]["g
 PY
 
 "$TB" kill-node n1   # the store's host
-wait_for 120 two_formed || fail "the two survivors did not re-form after the store host n1 died"
+members_form 2 || fail "the two survivors did not re-form after the store host n1 died"
 /usr/bin/python3 - "$out/members.jsonl" <<'PY'
 import json, sys
 rounds = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"event":"round"')]

@@ -25,17 +25,16 @@
 # SPANK_PLUGIN (the built spank_elastrun.so), TESTS_DIR (this directory), ELASTRUN_AGENT (the
 # built elastrun), TEST_WORKER (the built launcher_test_worker).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 CASE=${1:?usage: test_spank.sh CASE}
-TB=$ELASTRUN_TESTBED
-export TESTBED_ID="${TESTBED_ID}-spank"
 PY=/usr/bin/python3
-out=$(mktemp -d /tmp/spank-test.XXXXXX)
-chmod 755 "$out"
+sandbox /tmp/spank-test.XXXXXX
+out=$SANDBOX
 stamp=$out/stamp
 touch "$stamp"
 # --elastic state: the plugin's tmpdir (site argument) and the tasks' TMPDIR, both private here
-mkdir -p "$out/state" "$out/tmp"
-srun_pid=
+mkdir -p "$out/state"
+show_on_failure 80 "$out/*.log"
 
 leftovers() { # what the plugin could leave behind: processes with it loaded, files, sockets
   # (other components' /tmp/elastrun-* files are not ours; the plugin itself creates none)
@@ -60,33 +59,21 @@ elastic_leftovers() { # --elastic: agents, workers and store helpers are this bu
   find "$out/state" "$out/tmp" -mindepth 1 2>/dev/null | sed 's/^/file /'
 }
 
-cleanup() {
-  local rc=$?
-  if [[ -n $srun_pid ]] && kill -0 "$srun_pid" 2>/dev/null; then
-    kill -KILL "$srun_pid" 2>/dev/null || true
-    wait "$srun_pid" 2>/dev/null || true
-  fi
-  if ((rc != 0)); then
-    for f in "$out"/*.log; do [[ -e $f ]] && { echo "--- $f" >&2; tail -80 "$f" >&2; }; done
-  fi
-  "$TB" down >/dev/null 2>&1 || rc=1
+check_leftovers() { # at exit, once the testbed is down
   local left
   left=$(leftovers)
   if [[ -n $left ]]; then
     echo "FAIL: left behind after the test:" >&2
     echo "$left" >&2
-    rc=1
+    EXIT_RC=1
   fi
-  rm -rf "$out"
-  exit "$rc"
 }
-trap cleanup EXIT
-fail() { echo "FAIL: $*" >&2; exit 1; }
 
 NODES=2
 [[ $CASE == elastic* ]] && NODES=3
-"$TB" down >/dev/null 2>&1 || true
-"$TB" up $NODES
+private_testbed
+on_exit check_leftovers
+testbed_up $NODES
 eval "$("$TB" env)"
 DIR=$("$TB" dir)
 use_plugin() { printf '%s\n' "$*" >"$DIR/plugstack.conf.d/elastrun.conf"; }
@@ -127,16 +114,6 @@ expect_refused() {
 
 TASK="$TESTS_DIR/torch_env_task.py"
 
-# Polls until "$@" succeeds, at most $1 seconds.
-wait_for() {
-  local limit=$1 deadline
-  shift
-  deadline=$((SECONDS + limit))
-  until "$@"; do
-    ((SECONDS < deadline)) || return 1
-    sleep 0.5
-  done
-}
 no_leftovers() { [[ -z $(elastic_leftovers) ]]; }
 
 # Checks the workers' JSON records of an --elastic run: check_elastic DIR WORLD NPROC NODES...
@@ -171,8 +148,8 @@ elastic_kill() {
     srun --no-kill -N3 --ntasks-per-node=1 --elastic=2:3 --elastic-nproc=2 "$TEST_WORKER" \
     >"$out/kill.log" 2>&1 &
   srun_pid=$!
-  six_started() { [[ $(ls "$out/kill"/rank*.json 2>/dev/null | wc -l) -ge 6 ]] || { kill -0 "$srun_pid" 2>/dev/null || fail "srun ended early"; false; }; }
-  wait_for 180 six_started || fail "6 workers did not start"
+  track_pid "$srun_pid"
+  wait_for -a "$srun_pid" "srun ended early" 180 have_files 6 "$out/kill/rank*.json" || fail "6 workers did not start"
   check_elastic "$out/kill" 6 2 n1 n2 n3
   # the store is srun's child (`elastrun store-serve`), on no compute node
   local p store=
@@ -185,13 +162,10 @@ elastic_kill() {
   echo "store helper (pid:parent pid) $store; srun pid $srun_pid"
   "$TB" kill-node "$victim"
   killed=$SECONDS
-  survivors_done() { [[ $(grep -c "done; exiting 0" "$out/kill.log") -ge 2 ]]; }
-  wait_for 240 survivors_done || fail "the two survivors did not finish after kill-node $victim"
+  wait_for 240 have_lines 2 "done; exiting 0" "$out/kill.log" || fail "the two survivors did not finish after kill-node $victim"
   echo "kill-node $victim -> survivors finished in $((SECONDS - killed)) s"
-  srun_ended() { ! kill -0 "$srun_pid" 2>/dev/null; }
-  wait_for 120 srun_ended || fail "srun did not end after the survivors finished"
-  wait "$srun_pid" || true # srun reports the lost node's task as failed
-  srun_pid=
+  wait_for 120 exited "$srun_pid" || fail "srun did not end after the survivors finished"
+  await "$srun_pid" || true # srun reports the lost node's task as failed
   check_elastic "$out/kill" 4 2 "${survivors[@]}"
   grep -q "state MEMBERSHIP_CHANGED member lost" "$out/kill.log" || fail "no MEMBERSHIP_CHANGED (member lost)"
   # the killed node's state directory goes with the job epilog of the survivors (shared tmpdir here)
@@ -362,14 +336,12 @@ elastic)
   TEST_WORKER_OUT_DIR=$out/k9 TEST_WORKER_SLEEP=300 srun -N2 --ntasks-per-node=1 --elastic \
     "$TEST_WORKER" >"$out/k9.log" 2>&1 &
   srun_pid=$!
-  two_started() { [[ $(ls "$out/k9"/rank*.json 2>/dev/null | wc -l) -ge 2 ]]; }
-  wait_for 120 two_started || fail "2 workers did not start"
+  track_pid "$srun_pid"
+  wait_for 120 have_files 2 "$out/k9/rank*.json" || fail "2 workers did not start"
   job=$(squeue -h -o %i | head -1)
   store_gone() { ! pgrep -f "^$ELASTRUN_AGENT store-serve " >/dev/null; }
   store_gone && fail "no store helper while the step runs"
-  kill -KILL "$srun_pid"
-  wait "$srun_pid" 2>/dev/null || true
-  srun_pid=
+  stop_pid "$srun_pid"
   wait_for 15 store_gone || fail "the store helper outlived srun (kill -9)"
   scancel "$job"
   wait_for 90 no_leftovers || fail "left behind after kill -9 of srun + scancel: $(elastic_leftovers)"
