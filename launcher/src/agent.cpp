@@ -100,6 +100,7 @@ int Agent::run() {
     }
   }
   if (group_) stop_workers(o_.stop_grace);  // every state stops its workers before Exit; never orphan
+  events_.emit("exit", {{"code", rc_}});
   linger_for_peers();
   return rc_;
 }
@@ -120,9 +121,19 @@ State Agent::rendezvous() {
       round = &rdzv_->next_round();
     }
     const auto& r = *round;
+    const auto formation_ms = std::chrono::duration_cast<Millis>(Clock::now() - t0).count();
     restart_count_ = rdzv_->add_to_counter("restarts", 0);
+    if (events_.enabled()) {
+      nlohmann::json members = nlohmann::json::array();
+      for (const auto& m : r.members()) members.push_back(m.node_name);
+      events_.emit("round", {{"generation", r.generation}, {"world_size", r.world_size},
+                             {"group_rank", r.group_rank}, {"group_world_size", r.group_world_size},
+                             {"members", members}, {"formation_ms", formation_ms},
+                             {"master", fmt::format("{}:{}", r.master_addr, r.master_port)},
+                             {"restart_count", restart_count_}});
+    }
     log_state("RENDEZVOUS", fmt::format("round {} formed in {} ms: group rank {} of {}, ranks {}..{} of {}, master {}:{}",
-                                        r.generation, std::chrono::duration_cast<Millis>(Clock::now() - t0).count(),
+                                        r.generation, formation_ms,
                                         r.group_rank, r.group_world_size, r.rank_offset,
                                         r.rank_offset + o_.nproc_per_node - 1, r.world_size, r.master_addr,
                                         r.master_port));
@@ -149,6 +160,7 @@ State Agent::start_workers() {
   open_control_channel(attempt_dir);
   const AttemptContext attempt{.options = o_, .round = rdzv_->current(), .run_id = plan_.run_id,
                                .node_name = plan_.me.node_name, .control_file = control_path_,
+                               .events_file = events_.path(),
                                .restart_count = restart_count_, .attempt_dir = attempt_dir,
                                .program_path = command_path_, .argv = command_argv_};
   auto specs = worker_specs(attempt, inherited_environment(environ));
@@ -161,6 +173,9 @@ State Agent::start_workers() {
   for (auto p : group_->pids()) pids += fmt::format("{}{}", pids.empty() ? "" : ",", p);
   log_state("START_WORKERS", fmt::format("attempt {} restart {}: {} worker(s) pids {} ({})", attempt_, restart_count_,
                                          o_.nproc_per_node, pids, command_path_));
+  events_.emit("workers_started", {{"attempt", attempt_}, {"restart_count", restart_count_},
+                                   {"ranks", {rdzv_->current().rank_offset, rdzv_->current().rank_offset + o_.nproc_per_node - 1}},
+                                   {"pids", group_->pids()}});
   ++attempt_;
   return State::Monitor;
 }
@@ -182,6 +197,7 @@ State Agent::monitor() {
     }
     std::vector<WorkerExit> failures;
     for (const auto& e : group_->poll_exits()) {
+      record_exit(e);
       attempt_exits_.push_back(e);
       if (e.ok()) {
         spdlog::info("worker {} exited 0", e.global_rank);
@@ -210,7 +226,10 @@ State Agent::monitor() {
     if (group_->all_exited()) return State::Succeeded;
     if (stop_requested_elsewhere()) return State::CheckpointStop;
     change_ = rdzv_->wait_for_change(o_.monitor_interval);
-    if (change_ != Change::None) return State::MembershipChanged;
+    if (change_ != Change::None) {
+      change_seen_ = Clock::now();
+      return State::MembershipChanged;
+    }
   }
 }
 
@@ -223,8 +242,10 @@ State Agent::failed() {
   FailedObservation seen;
   seen.settle_change = rdzv_->wait_for_change(kFailureSettle);
   seen.max_restarts = o_.max_restarts;
-  for (const auto& e : group_->poll_exits())
+  for (const auto& e : group_->poll_exits()) {
+    record_exit(e);
     if (!e.ok()) record(e);
+  }
   auto action = next_failed_action(seen);
   for (; action == FailedAction::ClaimRestart || action == FailedAction::CountRestart; action = next_failed_action(seen)) {
     if (action == FailedAction::ClaimRestart)
@@ -233,6 +254,8 @@ State Agent::failed() {
       seen.restarts = rdzv_->add_to_counter("restarts", 1);
   }
   Change change = seen.settle_change;
+  events_.emit("failure_decision", {{"action", to_string(action)}, {"settle_change", to_string(seen.settle_change)},
+                                    {"restarts", seen.restarts.value_or(-1)}, {"max_restarts", o_.max_restarts}});
   switch (action) {
     case FailedAction::ExitClosed:  // someone gave up: stop, report, exit with the close reason
       break;
@@ -287,6 +310,12 @@ State Agent::failed() {
 // MEMBERSHIP_CHANGED: a member was lost, one waits to join, or another agent asked for a new
 // round: stop the workers (after a scale-up checkpoint when a node joins) and re-form.
 State Agent::membership_changed() {
+  if (change_ == Change::MemberLost && rdzv_->last_loss()) {
+    const auto& loss = *rdzv_->last_loss();
+    nlohmann::json fields = {{"member", loss.node_name}, {"how", loss.how}};
+    if (loss.since_heartbeat_ms) fields["since_heartbeat_ms"] = *loss.since_heartbeat_ms;
+    events_.emit("member_lost", fields);
+  }
   log_state("MEMBERSHIP_CHANGED",
             change_ == Change::Closed
                 ? std::string("rendezvous closed by another agent: stopping workers")
@@ -364,6 +393,7 @@ void Agent::bootstrap() {
   if (o_.node_rank) plan_.me.node_index = *o_.node_rank;
   if (!o_.local_addr.empty()) plan_.me.address = o_.local_addr;
   spdlog::set_pattern(fmt::format("[elastrun node {}] %v", plan_.me.node_name));
+  open_event_log();
 
   std::unique_ptr<KvBackend> kv, hb;
   StoreConnector connector;
@@ -406,6 +436,7 @@ void Agent::write_control(elastrun::control::Request request) {
 
 std::vector<WorkerExit> Agent::stop_workers(Millis grace) {
   auto exits = group_->stop(grace);
+  for (const auto& e : exits) record_exit(e);
   group_.reset();
   signals_.set_workers_active(false);
   return exits;
@@ -426,6 +457,27 @@ int Agent::closed_exit(const RendezvousClosed& closed) {
 
 void Agent::log_state(std::string_view name, const std::string& what) {
   spdlog::info("state {}{}{}", name, what.empty() ? "" : " ", what);
+  events_.emit("state", {{"state", name}, {"detail", what}});
+}
+
+void Agent::record_exit(const WorkerExit& e) {
+  events_.emit("worker_exit", {{"rank", e.global_rank}, {"local_rank", e.local_rank}, {"pid", e.pid},
+                               {"exit_code", e.exit_code}, {"signal", e.signal ? signal_name(e.signal) : ""}});
+}
+
+// --events, or <--log-dir>/events-<node>.jsonl: opened before anything else happens, so a path
+// that cannot be written is a usage error (exit 2) rather than a silent gap in the log.
+void Agent::open_event_log() {
+  std::string path = o_.events;
+  if (path.empty() && !o_.log_dir.empty())
+    path = (fs::path(o_.log_dir) / fmt::format("events-{}.jsonl", plan_.me.node_name)).string();
+  if (path.empty()) return;
+  try {
+    events_ = EventLog(fs::absolute(path).string(), plan_.me.node_name, plan_.run_id);
+  } catch (const std::system_error& e) {
+    throw UsageError(fmt::format("--events: {} ({}); give a writable path", e.what(),
+                                 o_.events.empty() ? "from --log-dir" : "--events"));
+  }
 }
 
 // The store (or a standby we failed over to) lives in this process: keep it up until the

@@ -30,6 +30,7 @@
 #include "elastrun/rdzv/bootstrap.hpp"
 #include "elastrun/rdzv/env.hpp"
 #include "elastrun/rdzv/rendezvous.hpp"
+#include "events.hpp"
 #include "failure_report.hpp"
 #include "options.hpp"
 #include "signals.hpp"
@@ -89,7 +90,9 @@ class Agent {
   void record(const WorkerExit& e);
   void print_summary() { failures_.print_summary(rdzv_.get(), plan_.run_id, o_.max_restarts); }
   int closed_exit(const rdzv::RendezvousClosed& closed);
-  void log_state(std::string_view name, const std::string& what);
+  void log_state(std::string_view name, const std::string& what);  // and its event
+  void open_event_log();
+  void record_exit(const WorkerExit& e);  // the event of every worker exit
   void linger_for_peers();
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
@@ -116,10 +119,12 @@ class Agent {
   int attempt_ = 0;  // local starts of the workers, for per-attempt files
   std::int64_t restart_count_ = 0;
   FailureReport failures_;
+  EventLog events_;
   std::optional<WorkerGroup> group_;
   std::vector<std::string> error_files_;  // this attempt's, by local rank
   std::vector<WorkerExit> attempt_exits_;  // this attempt's exits seen in MONITOR
   rdzv::Change change_ = rdzv::Change::None;  // what MONITOR saw, for MEMBERSHIP_CHANGED
+  Clock::time_point change_seen_{};           // when MONITOR saw it
   int rc_ = 1;
   // checkpoint-and-stop (state CHECKPOINT_STOP)
   std::string control_path_;  // this attempt's control file (ELASTRUN_CONTROL_FILE)

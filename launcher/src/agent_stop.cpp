@@ -91,6 +91,8 @@ State Agent::checkpoint_stop() {
   signals_.set_checkpoint_stopping(true);
   const bool channel_read = fs::exists(control_path_ + elastrun::control::kSeenSuffix);
   log_state("CHECKPOINT_STOP", fmt::format("class {}: {}", to_string(stop_class_), stop_reason_));
+  events_.emit("checkpoint_request", {{"kind", "stop"}, {"class", to_string(stop_class_)}, {"reason", stop_reason_},
+                                      {"signal", stop_signal_ ? signal_name(stop_signal_) : ""}});
   try {
     nlohmann::json request = {{"class", std::string(to_string(stop_class_))}, {"node", plan_.me.node_name},
                               {"reason", stop_reason_}, {"signal", stop_signal_}};
@@ -120,6 +122,7 @@ State Agent::checkpoint_stop() {
     const auto deadline = Clock::now() + o_.checkpoint_timeout;
     while (true) {
       for (auto& e : group_->poll_exits()) {
+        record_exit(e);
         if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
         else if (e.ok()) spdlog::info("worker {} exited 0", e.global_rank);
         else record(e);
@@ -145,6 +148,8 @@ State Agent::checkpoint_stop() {
     else if (e.ok()) ++succeeded;
   }
   const int local = o_.nproc_per_node;
+  events_.emit("checkpoint_outcome", {{"kind", "stop"}, {"checkpointed", checkpointed}, {"finished", succeeded},
+                                      {"local_workers", local}, {"complete", checkpointed > 0 && checkpointed + succeeded == local}});
   if (succeeded == local) {
     spdlog::info("every local worker finished (exit 0) instead of checkpointing: the job succeeded");
     signals_.set_checkpoint_stopping(false);
@@ -196,10 +201,12 @@ Change Agent::checkpoint_before_scale_up() {
   }
   spdlog::info("scale-up: asked the workers to checkpoint and stop before re-forming (up to {} s)",
                o_.checkpoint_timeout.count() / 1000);
+  events_.emit("checkpoint_request", {{"kind", "scale_up"}, {"reason", "a node waits to join"}});
   const auto deadline = Clock::now() + o_.checkpoint_timeout;
   int checkpointed = 0;
   while (true) {
     for (const auto& e : group_->poll_exits()) {
+      record_exit(e);
       if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) {
         ++checkpointed;
         spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
@@ -213,6 +220,8 @@ Change Agent::checkpoint_before_scale_up() {
     }
     if (group_->all_exited()) {
       spdlog::info("scale-up: {} of {} local worker(s) checkpointed", checkpointed, o_.nproc_per_node);
+      events_.emit("checkpoint_outcome", {{"kind", "scale_up"}, {"checkpointed", checkpointed},
+                                          {"local_workers", o_.nproc_per_node}, {"complete", checkpointed == o_.nproc_per_node}});
       break;
     }
     if (signals_.stop_signal() || signals_.checkpoint_signal()) return Change::MemberWaiting;  // the next state handles it
@@ -257,7 +266,10 @@ Change Agent::checkpoint_before_scale_up() {
 }
 
 bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal) {
-  return requeue_job(env_.slurm ? &*env_.slurm : nullptr, o_, cls, exclude, signal);
+  const bool requeued = requeue_job(env_.slurm ? &*env_.slurm : nullptr, o_, cls, exclude, signal);
+  events_.emit("requeue", {{"class", to_string(cls)}, {"signal", signal ? signal_name(signal) : ""},
+                           {"exclude", exclude}, {"requeued", requeued}});
+  return requeued;
 }
 
 // Group rank 0, after the job failed for good: requeue when the agent that gave up asked for it

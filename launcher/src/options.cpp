@@ -238,6 +238,9 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   app.add_option("--start-method,--start_method", o.start_method,
                  "spawn|fork|forkserver: accepted; workers are always separate fork+exec'd processes");
   app.add_option("--log-dir,--log_dir", o.log_dir, "per-attempt worker logs and error files go here");
+  app.add_option("--events", o.events,
+                 "JSON-lines event log (default with --log-dir: LOG_DIR/events-NODE.jsonl); workers get it "
+                 "as ELASTRUN_EVENTS_FILE");
   app.add_option("-r,--redirects", redirects, "to files only: 0 none, 1 stdout, 2 stderr, 3 both; or LOCAL_RANK:N,...");
   app.add_option("-t,--tee", tee, "to files and console: same values as --redirects");
   app.add_option("--local-ranks-filter,--local_ranks_filter", ranks_filter,

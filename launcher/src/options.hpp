@@ -70,6 +70,7 @@ struct AgentOptions {
   std::string start_method;  // accepted, no effect: workers are always fork+exec'd processes
   std::optional<int> master_port;
   std::string log_dir;
+  std::string events;  // --events: the event log (default with --log-dir: <log-dir>/events-<node>.jsonl)
   StreamSpec redirects;
   StreamSpec tee;
   std::optional<std::set<int>> local_ranks_filter;  // console output only from these local ranks

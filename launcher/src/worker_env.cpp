@@ -16,7 +16,8 @@ const std::vector<std::string>& worker_variable_names() {
       "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
       "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
       "TORCHELASTIC_USE_AGENT_STORE", "ELASTRUN_GENERATION", "ELASTRUN_NODE", "NODE_RANK",
-      "ELASTRUN_CONTROL_FILE", "ELASTRUN_CHECKPOINT_DIR", "ELASTRUN_CHECKPOINTED_EXIT_CODE"};
+      "ELASTRUN_CONTROL_FILE", "ELASTRUN_CHECKPOINT_DIR", "ELASTRUN_CHECKPOINTED_EXIT_CODE",
+      "ELASTRUN_EVENTS_FILE"};
   return names;
 }
 
@@ -58,6 +59,7 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   set("ELASTRUN_CONTROL_FILE", a.control_file);
   set("ELASTRUN_CHECKPOINTED_EXIT_CODE", elastrun::control::kCheckpointedExitCode);
   if (!o.checkpoint_dir.empty()) set("ELASTRUN_CHECKPOINT_DIR", o.checkpoint_dir);
+  if (!a.events_file.empty()) set("ELASTRUN_EVENTS_FILE", a.events_file);
   const bool omp_set = std::any_of(inherited.begin(), inherited.end(),
                                    [](const std::string& kv) { return kv.starts_with("OMP_NUM_THREADS="); });
   if (!omp_set && o.nproc_per_node > 1) set("OMP_NUM_THREADS", 1);

@@ -28,6 +28,7 @@ struct AttemptContext {
   std::string run_id;
   std::string node_name;
   std::string control_file;  // ELASTRUN_CONTROL_FILE
+  std::string events_file;   // ELASTRUN_EVENTS_FILE ("" = none)
   std::int64_t restart_count = 0;
   std::filesystem::path attempt_dir;  // <log dir or temp dir>/<run>/attempt_<n>
   std::string program_path;           // resolved executable

@@ -14,6 +14,7 @@
 #include "elastrun/rdzv/rendezvous.hpp"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -461,6 +462,14 @@ Change Rendezvous::wait_for_change(Millis timeout) {
         for (const auto& m : round_.members())
           if (m.sort_key() == who) {
             spdlog::warn("[rdzv] member {} (node {}) lost", who, m.node_name);
+            last_loss_ = MemberLoss{m.node_name, {}, std::nullopt};
+            // the embedded store says how the lease ended (store_server.cpp, revoke)
+            auto j = nlohmann::json::parse(e.value, nullptr, /*allow_exceptions=*/false);
+            if (j.is_object()) {
+              last_loss_->how = j.value("lease_end", std::string());
+              if (auto it = j.find("since_renewal_ms"); it != j.end() && it->is_number_integer())
+                last_loss_->since_heartbeat_ms = it->get<std::int64_t>();
+            }
             return Change::MemberLost;
           }
       }

@@ -1,4 +1,5 @@
 // The store server: one thread, epoll, all state in memory.
+#include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -63,6 +64,7 @@ struct Entry {
 struct Lease {
   Millis ttl{};
   Clock::time_point deadline;
+  Clock::time_point renewed;  // granted or last kept alive: what a lost member's watchers are told
   std::uint64_t owner = 0;  // connection id
   std::set<std::string> keys;
   std::string holder;                                  // node name, for Slurm confirmation
@@ -357,7 +359,8 @@ struct StoreServer::Impl {
         auto lease_id = next_lease++;
         auto& lease = leases[lease_id];
         lease.ttl = Millis(req.timeout_ms);
-        lease.deadline = Clock::now() + lease.ttl;
+        lease.renewed = Clock::now();
+        lease.deadline = lease.renewed + lease.ttl;
         next_due = std::min(next_due, lease.deadline);
         lease.owner = id;
         lease.holder = req.value;
@@ -367,7 +370,8 @@ struct StoreServer::Impl {
       case Op::LeaseKeepAlive: {
         auto it = leases.find(req.lease);
         if (it == leases.end()) return queue(id, req, Status::NoSuchLease);
-        it->second.deadline = Clock::now() + it->second.ttl;
+        it->second.renewed = Clock::now();
+        it->second.deadline = it->second.renewed + it->second.ttl;
         it->second.graced = false;
         return queue(id, req, Status::Ok);
       }
@@ -424,7 +428,8 @@ struct StoreServer::Impl {
     record(WatchEvent{WatchEvent::Type::Put, key, e.value, e.revision});
   }
 
-  bool erase_key(const std::string& key) {
+  // `why`: the Delete event's value (empty for a plain delete; see revoke()).
+  bool erase_key(const std::string& key, const std::string& why = {}) {
     auto it = data.find(key);
     if (it == data.end()) return false;
     if (it->second.lease) {
@@ -432,7 +437,7 @@ struct StoreServer::Impl {
     }
     data_bytes -= it->second.value.size() + key.size();
     data.erase(it);
-    record(WatchEvent{WatchEvent::Type::Delete, key, {}, ++revision});
+    record(WatchEvent{WatchEvent::Type::Delete, key, why, ++revision});
     return true;
   }
 
@@ -587,9 +592,13 @@ struct StoreServer::Impl {
     auto keys = std::move(it->second.keys);
     if (auto c = connections.find(it->second.owner); c != connections.end())
       c->second.owned_leases.erase(lease_id);
+    // Watchers of the deleted keys learn how the lease ended and how long after its last
+    // keep-alive (docs/rendezvous.md, "Leases"): a member's loss is reported with both.
+    const auto since = std::chrono::duration_cast<Millis>(Clock::now() - it->second.renewed).count();
+    const std::string event = fmt::format(R"({{"lease_end":"{}","since_renewal_ms":{}}})", why, since);
     leases.erase(it);
     spdlog::debug("[store] lease {} ended ({}), deleting {} keys", lease_id, why, keys.size());
-    for (const auto& k : keys) erase_key(k);
+    for (const auto& k : keys) erase_key(k, event);
   }
 
   void park(std::uint64_t id, const Request& req) {

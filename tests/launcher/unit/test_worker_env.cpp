@@ -54,7 +54,7 @@ rdzv::RoundResult second_node_of_three() {
 }
 
 AttemptContext attempt_in(const AgentOptions& o, const rdzv::RoundResult& round, const fs::path& dir) {
-  return {.options = o, .round = round, .run_id = "", .node_name = "", .control_file = "", .restart_count = 0,
+  return {.options = o, .round = round, .run_id = "", .node_name = "", .control_file = "", .events_file = "", .restart_count = 0,
           .attempt_dir = dir, .program_path = "", .argv = {}};
 }
 
@@ -76,7 +76,7 @@ TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
   o.checkpoint_dir = "/ckpt";
   const auto round = second_node_of_three();
   const AttemptContext a{.options = o, .round = round, .run_id = "12.r0", .node_name = "n2",
-                         .control_file = "/c/control", .restart_count = 1, .attempt_dir = dir.path() / "attempt_0",
+                         .control_file = "/c/control", .events_file = "/l/events-n2.jsonl", .restart_count = 1, .attempt_dir = dir.path() / "attempt_0",
                          .program_path = "/bin/true", .argv = {"true", "x"}};
   const auto specs = worker_specs(a, {"PATH=/bin", "RANKING=kept"});
   ASSERT_EQ(specs.size(), 2u);
@@ -108,6 +108,7 @@ TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
     EXPECT_EQ(env["ELASTRUN_CONTROL_FILE"], "/c/control");
     EXPECT_EQ(env["ELASTRUN_CHECKPOINT_DIR"], "/ckpt");
     EXPECT_EQ(env["ELASTRUN_CHECKPOINTED_EXIT_CODE"], "85");
+    EXPECT_EQ(env["ELASTRUN_EVENTS_FILE"], "/l/events-n2.jsonl");
     EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
     EXPECT_EQ(env["TORCHELASTIC_ERROR_FILE"], s.error_file);
     EXPECT_EQ(s.error_file, (dir.path() / "attempt_0" / std::to_string(local) / "error.json").string());
@@ -128,6 +129,7 @@ TEST(WorkerEnv, UserThreadsAndSingleWorker) {
   auto env = as_map(worker_variables(a, 0, "e", {"OMP_NUM_THREADS=4"}));
   EXPECT_FALSE(env.contains("OMP_NUM_THREADS")) << "the user's value is inherited, not overridden";
   EXPECT_FALSE(env.contains("ELASTRUN_CHECKPOINT_DIR"));
+  EXPECT_FALSE(env.contains("ELASTRUN_EVENTS_FILE"));
   o.nproc_per_node = 1;
   EXPECT_FALSE(as_map(worker_variables(a, 0, "e", {})).contains("OMP_NUM_THREADS"));
 }

@@ -91,6 +91,16 @@ enum class Change {
 };
 std::string_view to_string(Change change);
 
+// What wait_for_change() learnt about a member it reported lost (Change::MemberLost).
+struct MemberLoss {
+  std::string node_name;
+  // How the store ended its lease: "holder disconnected" (the agent died: seen at once),
+  // "missed its keep-alives" (a silent node), "revoked by its holder"; "" if the backend does
+  // not say (etcd).
+  std::string how;
+  std::optional<std::int64_t> since_heartbeat_ms;  // from its last keep-alive to its loss
+};
+
 // Opens a connection to the store at address:port (used to fail over to a standby store).
 using StoreConnector = std::function<std::unique_ptr<KvBackend>(const std::string& address, std::uint16_t port)>;
 
@@ -129,6 +139,8 @@ class Rendezvous {
   bool barrier(std::string_view name, Millis timeout);
 
   const RoundResult& current() const { return round_; }
+  // The member behind the last Change::MemberLost, if any.
+  const std::optional<MemberLoss>& last_loss() const { return last_loss_; }
 
  private:
   std::uint64_t current_generation();
@@ -160,6 +172,7 @@ class Rendezvous {
   RoundResult round_;
   std::vector<MemberInfo> standbys_;  // wait list: the running round's members, for failover
   std::uint64_t watch_revision_ = 0;
+  std::optional<MemberLoss> last_loss_;
 
  public:
   // Small job-wide records (failure reports, stop requests), under "<prefix>pub/". They live as
