@@ -123,13 +123,13 @@ std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const Auth
       } catch (const StoreError& e) {
         last_error = e.what();
         // A refusal for another reason than the run id is final: wrong credentials stay wrong.
-        if (e.status() == protocol::Status::AuthFailed &&
+        if (e.kind() == StoreErrorKind::AuthFailed &&
             last_error.find("serves run") == std::string::npos)
           throw;
       }
     }
     if (std::chrono::steady_clock::now() > deadline)
-      throw StoreError(protocol::Status::ConnectionLost,
+      throw StoreError(StoreErrorKind::ConnectionLost,
                        fmt::format("no rendezvous store for run '{}' at {} ({}) ports {}..{} after {} s: {}",
                                    plan.run_id, plan.store_host, plan.store_address, ports.front(),
                                    ports.back(), patience.count() / 1000, last_error));

@@ -17,7 +17,6 @@ namespace elastrun::rdzv {
 namespace {
 
 using json = nlohmann::json;
-using protocol::Status;
 
 constexpr std::string_view kAlphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
@@ -73,12 +72,12 @@ const CurlApi& curl_api() {
     // Kept open for the life of the process: handles and the global state live in it.
     void* lib = ::dlopen("libcurl.so.4", RTLD_NOW | RTLD_LOCAL);
     if (!lib)
-      throw StoreError(Status::ConnectionLost,
+      throw StoreError(StoreErrorKind::ConnectionLost,
                        fmt::format("the etcd backend needs libcurl: {} (install libcurl4)", ::dlerror()));
     CurlApi a;
     auto load = [lib](auto& fn, const char* name) {
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(lib, name));
-      if (!fn) throw StoreError(Status::ConnectionLost, fmt::format("libcurl.so.4 has no {}", name));
+      if (!fn) throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("libcurl.so.4 has no {}", name));
     };
     load(a.global_init, "curl_global_init");
     load(a.easy_init, "curl_easy_init");
@@ -213,10 +212,10 @@ struct EtcdKv::Impl {
 
   [[noreturn]] void fail_from(const json& reply, const std::string& what) {
     auto message = reply.value("message", reply.value("error", std::string("error")));
-    auto status = Status::BadRequest;
-    if (message.find("lease not found") != std::string::npos) status = Status::NoSuchLease;
-    else if (message.find("compacted") != std::string::npos) status = Status::Compacted;
-    throw StoreError(status, fmt::format("etcd {}: {}: {}", endpoint, what, message));
+    auto kind = StoreErrorKind::BadRequest;
+    if (message.find("lease not found") != std::string::npos) kind = StoreErrorKind::NoSuchLease;
+    else if (message.find("compacted") != std::string::npos) kind = StoreErrorKind::Compacted;
+    throw StoreError(kind, fmt::format("etcd {}: {}: {}", endpoint, what, message));
   }
 
   json post(const std::string& path, const json& request) {
@@ -227,9 +226,9 @@ struct EtcdKv::Impl {
     curl_api().easy_setopt(curl.get(), CURLOPT_WRITEDATA, &reply);
     auto rc = curl_api().easy_perform(curl.get());
     if (rc != CURLE_OK)
-      throw StoreError(Status::ConnectionLost, fmt::format("etcd {}{}: {}", endpoint, path, curl_api().easy_strerror(rc)));
+      throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("etcd {}{}: {}", endpoint, path, curl_api().easy_strerror(rc)));
     auto j = json::parse(reply, nullptr, false);
-    if (j.is_discarded()) throw StoreError(Status::BadRequest, fmt::format("etcd {}{}: not JSON: {}", endpoint, path, reply.substr(0, 200)));
+    if (j.is_discarded()) throw StoreError(StoreErrorKind::BadRequest, fmt::format("etcd {}{}: not JSON: {}", endpoint, path, reply.substr(0, 200)));
     if (j.contains("error")) fail_from(j, path);
     return j;
   }
@@ -246,7 +245,7 @@ EtcdKv::EtcdKv(const std::string& endpoint, Millis request_timeout) : impl_(std:
   impl_->base = endpoint.starts_with("http") ? endpoint : "http://" + endpoint;
   impl_->timeout = request_timeout;
   impl_->curl.reset(curl_api().easy_init());
-  if (!impl_->curl) throw StoreError(Status::ConnectionLost, "libcurl: cannot create a handle");
+  if (!impl_->curl) throw StoreError(StoreErrorKind::ConnectionLost, "libcurl: cannot create a handle");
   impl_->headers.reset(curl_api().slist_append(nullptr, "Content-Type: application/json"));
   // Fail early with a clear message if nothing answers there.
   impl_->post("/v3/kv/range", {{"key", base64_encode("elastrun/")}, {"limit", 1}});
@@ -276,7 +275,7 @@ std::int64_t EtcdKv::add(std::string_view key, std::int64_t delta, std::uint64_t
       auto kv = kv_of(r["kvs"][0]);
       auto parsed = util::parse_integer<std::int64_t>(kv.value);
       if (!parsed)
-        throw StoreError(Status::NotANumber, fmt::format("etcd {}: add '{}': value is not a number", impl_->endpoint, key));
+        throw StoreError(StoreErrorKind::NotANumber, fmt::format("etcd {}: add '{}': value is not a number", impl_->endpoint, key));
       current = *parsed;
       keep_lease = kv.lease;
       compare = {{"key", base64_encode(key)}, {"result", "EQUAL"}, {"target", "MOD"}, {"mod_revision", std::to_string(kv.revision)}};
@@ -338,14 +337,14 @@ std::vector<WatchEvent> EtcdKv::watch(std::string_view prefix, std::uint64_t aft
   curl_api().easy_setopt(impl_->curl.get(), CURLOPT_WRITEDATA, &stream);
   auto rc = curl_api().easy_perform(impl_->curl.get());
   if (rc != CURLE_OK && !(rc == CURLE_WRITE_ERROR && stream.stop) && rc != CURLE_OPERATION_TIMEDOUT)
-    throw StoreError(Status::ConnectionLost, fmt::format("etcd {} watch: {}", impl_->endpoint, curl_api().easy_strerror(rc)));
+    throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("etcd {} watch: {}", impl_->endpoint, curl_api().easy_strerror(rc)));
   std::vector<WatchEvent> events;
   std::uint64_t rev = after_revision;
   for (const auto& msg : stream.messages) {
     if (msg.contains("error")) impl_->fail_from(msg, "watch");
     const auto& r = msg.contains("result") ? msg["result"] : msg;
     if (r.contains("compact_revision"))
-      throw StoreError(Status::Compacted, fmt::format("etcd {}: watch from revision {} is compacted", impl_->endpoint, after_revision));
+      throw StoreError(StoreErrorKind::Compacted, fmt::format("etcd {}: watch from revision {} is compacted", impl_->endpoint, after_revision));
     if (r.contains("header")) rev = std::max(rev, u64_of(r["header"], "revision"));
     for (const auto& e : r.value("events", json::array())) {
       WatchEvent w;
@@ -378,7 +377,7 @@ void EtcdKv::revoke_lease(std::uint64_t lease) {
   try {
     impl_->post("/v3/lease/revoke", {{"ID", std::to_string(lease)}});
   } catch (const StoreError& e) {
-    if (e.status() != Status::NoSuchLease) throw;
+    if (e.kind() != StoreErrorKind::NoSuchLease) throw;
   }
 }
 

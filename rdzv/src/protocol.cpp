@@ -1,4 +1,4 @@
-#include "elastrun/rdzv/protocol.hpp"
+#include "protocol.hpp"
 
 #include <fmt/format.h>
 
@@ -67,6 +67,51 @@ std::string_view to_string(Status status) {
   }
   return "unknown status";
 }
+
+StoreErrorKind error_kind(Status status) {
+  switch (status) {
+    case Status::Ok: return StoreErrorKind::BadRequest;
+    case Status::NotFound: return StoreErrorKind::NotFound;
+    case Status::CasFailed: return StoreErrorKind::CasFailed;
+    case Status::Timeout: return StoreErrorKind::Timeout;
+    case Status::NoSuchLease: return StoreErrorKind::NoSuchLease;
+    case Status::Compacted: return StoreErrorKind::Compacted;
+    case Status::BadRequest: return StoreErrorKind::BadRequest;
+    case Status::AuthFailed: return StoreErrorKind::AuthFailed;
+    case Status::NotAuthenticated: return StoreErrorKind::NotAuthenticated;
+    case Status::TooLarge: return StoreErrorKind::TooLarge;
+    case Status::StoreFull: return StoreErrorKind::StoreFull;
+    case Status::NotANumber: return StoreErrorKind::NotANumber;
+    case Status::ConnectionLost: return StoreErrorKind::ConnectionLost;
+  }
+  return StoreErrorKind::BadRequest;
+}
+
+}  // namespace elastrun::rdzv::protocol
+
+namespace elastrun::rdzv {
+
+std::string_view to_string(StoreErrorKind kind) {
+  switch (kind) {
+    case StoreErrorKind::NotFound: return "not found";
+    case StoreErrorKind::CasFailed: return "compare-and-set failed";
+    case StoreErrorKind::Timeout: return "timed out";
+    case StoreErrorKind::NoSuchLease: return "no such lease";
+    case StoreErrorKind::Compacted: return "watch history compacted";
+    case StoreErrorKind::BadRequest: return "bad request";
+    case StoreErrorKind::AuthFailed: return "authentication failed";
+    case StoreErrorKind::NotAuthenticated: return "not authenticated";
+    case StoreErrorKind::TooLarge: return "too large";
+    case StoreErrorKind::StoreFull: return "store full";
+    case StoreErrorKind::NotANumber: return "value is not a number";
+    case StoreErrorKind::ConnectionLost: return "connection lost";
+  }
+  return "?";
+}
+
+}  // namespace elastrun::rdzv
+
+namespace elastrun::rdzv::protocol {
 
 BodyWriter& BodyWriter::u8(std::uint8_t v) {
   bytes_.push_back(static_cast<char>(v));

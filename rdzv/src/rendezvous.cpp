@@ -162,7 +162,7 @@ void Rendezvous::heartbeat_loop() {
         fenced_ = true;
       }
     } catch (const StoreError& e) {
-      if (e.status() == protocol::Status::ConnectionLost) {
+      if (e.kind() == StoreErrorKind::ConnectionLost) {
         if (!store_lost_) spdlog::warn("[rdzv] heartbeat: {}", e.what());
         store_lost_ = true;
       } else {
@@ -216,10 +216,10 @@ const RoundResult& Rendezvous::next_round() {
         return round_;
       }
     } catch (const StoreError& e) {
-      if (e.status() == protocol::Status::NoSuchLease) {
+      if (e.kind() == StoreErrorKind::NoSuchLease) {
         // Our lease died while we were not looking: we are fenced; rejoin as a new member.
         fenced_ = true;
-      } else if (e.status() == protocol::Status::ConnectionLost && connector_ && (round_.generation > 0 || !standbys_.empty())) {
+      } else if (e.kind() == StoreErrorKind::ConnectionLost && connector_ && (round_.generation > 0 || !standbys_.empty())) {
         spdlog::warn("[rdzv] {}", e.what());
         store_lost_ = true;
       } else {
@@ -435,7 +435,7 @@ Change Rendezvous::wait_for_change(Millis timeout) {
     try {
       events = kv_->watch(prefix_, watch_revision_, std::min(left, Millis(500)), &rev);
     } catch (const StoreError& e) {
-      if (e.status() == protocol::Status::ConnectionLost && connector_) {
+      if (e.kind() == StoreErrorKind::ConnectionLost && connector_) {
         spdlog::warn("[rdzv] {}", e.what());
         store_lost_ = true;
         return Change::StoreLost;

@@ -9,6 +9,7 @@
 
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/store.hpp"
+#include "protocol.hpp"
 
 namespace elastrun::rdzv {
 
@@ -23,7 +24,7 @@ struct StoreClient::Impl {
 
   [[noreturn]] void lost(const std::string& why) {
     fd.reset();
-    throw StoreError(Status::ConnectionLost, fmt::format("store {}: {}", endpoint, why));
+    throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("store {}: {}", endpoint, why));
   }
 
   void send_all(const std::string& bytes) {
@@ -82,7 +83,7 @@ struct StoreClient::Impl {
       } catch (const ProtocolError&) {
       }
     }
-    throw StoreError(frame.header.status, fmt::format("store {}: {} '{}' failed: {}{}", endpoint,
+    throw StoreError(error_kind(frame.header.status), fmt::format("store {}: {} '{}' failed: {}{}", endpoint,
                                                       to_string(req.op), req.key,
                                                       to_string(frame.header.status), detail));
   }
@@ -95,7 +96,7 @@ StoreClient::StoreClient(const std::string& host, std::uint16_t port, const Auth
   try {
     impl_->fd = connect_tcp(host, port, connect_timeout);
   } catch (const std::system_error& e) {
-    throw StoreError(Status::ConnectionLost, fmt::format("cannot reach the store: {}", e.what()));
+    throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("cannot reach the store: {}", e.what()));
   }
   Request hello;
   hello.op = Op::Hello;
@@ -103,7 +104,7 @@ StoreClient::StoreClient(const std::string& host, std::uint16_t port, const Auth
   try {
     hello.credential = make_credential(auth, run_id);
   } catch (const AuthError& e) {
-    throw StoreError(Status::AuthFailed, e.what());
+    throw StoreError(StoreErrorKind::AuthFailed, e.what());
   }
   hello.run_id = std::string(run_id);
   impl_->call(hello);

@@ -24,6 +24,7 @@
 
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/store.hpp"
+#include "protocol.hpp"
 #include "elastrun/util/parse.hpp"
 
 namespace elastrun::rdzv {
@@ -116,12 +117,12 @@ struct StoreServer::Impl {
     try {
       listener = listen_tcp(options.bind_address, options.port, options.fallback_ports);
     } catch (const std::system_error& e) {
-      throw StoreError(Status::BadRequest, fmt::format("store cannot listen: {}", e.what()));
+      throw StoreError(StoreErrorKind::BadRequest, fmt::format("store cannot listen: {}", e.what()));
     }
     set_nonblocking(listener.fd.get());
     epoll_fd = UniqueFd(epoll_create1(EPOLL_CLOEXEC));
     wake_fd = UniqueFd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-    if (!epoll_fd || !wake_fd) throw StoreError(Status::BadRequest, "store: epoll/eventfd failed");
+    if (!epoll_fd || !wake_fd) throw StoreError(StoreErrorKind::BadRequest, "store: epoll/eventfd failed");
     add_to_epoll(listener.fd.get(), kListenerId, EPOLLIN);
     add_to_epoll(wake_fd.get(), kWakeId, EPOLLIN);
     thread = std::thread([this] { run(); });

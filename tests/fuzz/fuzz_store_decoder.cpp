@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "elastrun/rdzv/protocol.hpp"
+#include "protocol.hpp"  // rdzv/src: the wire protocol is private to rdzv
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace elastrun::rdzv::protocol;

@@ -171,7 +171,7 @@ TEST_P(Backend, ExpiredLeaseDeletesItsKeysAndFencesItsHolder) {
     c->set(key("alive/me"), "back", lease);
     FAIL() << "a write under a dead lease was accepted";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.status(), elastrun::rdzv::protocol::Status::NoSuchLease) << e.what();
+    EXPECT_EQ(e.kind(), StoreErrorKind::NoSuchLease) << e.what();
   }
 }
 

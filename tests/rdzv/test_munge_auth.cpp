@@ -17,7 +17,6 @@ namespace {
 
 using namespace elastrun::rdzv;
 using namespace std::chrono_literals;
-using elastrun::rdzv::protocol::Status;
 
 class Munged : public testing::Environment {
  public:
@@ -73,7 +72,7 @@ TEST(MungeAuth, MissingCredentialIsRefused) {
     StoreClient c("127.0.0.1", s.port(), AuthConfig{}, "job-42");
     FAIL() << "admitted without a credential";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.status(), Status::AuthFailed);
+    EXPECT_EQ(e.kind(), StoreErrorKind::AuthFailed);
     EXPECT_NE(std::string(e.what()).find("requires 'munge'"), std::string::npos) << e.what();
   }
   EXPECT_EQ(s.stats().keys, 0u);

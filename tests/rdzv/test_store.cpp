@@ -11,12 +11,13 @@
 
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/store.hpp"
+#include "protocol.hpp"  // rdzv/src: the decoder tests need the private wire protocol
 
 namespace {
 
 using namespace elastrun::rdzv;
 using namespace std::chrono_literals;
-using protocol::Status;
+using protocol::Status;  // wire statuses, for the decoder tests
 
 constexpr const char* kRun = "test-run";
 
@@ -64,7 +65,7 @@ TEST(Store, AddOnANonNumberIsRefused) {
     c.add("word", 1);
     FAIL() << "add on a non-number succeeded";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.status(), Status::NotANumber);
+    EXPECT_EQ(e.kind(), StoreErrorKind::NotANumber);
   }
   EXPECT_EQ(c.get("word")->value, "hello");
 }
@@ -149,7 +150,7 @@ TEST(Store, WatchBeyondKeptHistoryIsCompacted) {
     c.watch("k", 1, 1s);
     FAIL() << "old history was served";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.status(), Status::Compacted);
+    EXPECT_EQ(e.kind(), StoreErrorKind::Compacted);
   }
   EXPECT_EQ(c.watch("k", 8, 1s).size(), 2u);
 }
@@ -187,7 +188,7 @@ TEST(Store, SilentLeaseExpiresAndItsHolderIsFenced) {
     member.set("members/n2", "back", lease);
     FAIL() << "a fenced member wrote";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.status(), Status::NoSuchLease);
+    EXPECT_EQ(e.kind(), StoreErrorKind::NoSuchLease);
   }
   EXPECT_FALSE(observer.get("members/n2"));
 }
@@ -271,14 +272,14 @@ TEST(Store, WrongTokenIsRefusedAndChangesNothing) {
     connect(server, wrong);
     FAIL() << "wrong token accepted";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.status(), Status::AuthFailed);
+    EXPECT_EQ(e.kind(), StoreErrorKind::AuthFailed);
     EXPECT_NE(std::string(e.what()).find("wrong token"), std::string::npos) << e.what();
   }
   try {
     connect(server, AuthConfig{});  // no credential at all
     FAIL() << "missing credential accepted";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.status(), Status::AuthFailed);
+    EXPECT_EQ(e.kind(), StoreErrorKind::AuthFailed);
   }
   auto good = connect(server, options.auth);
   EXPECT_EQ(good.get_prefix("").size(), 0u);
@@ -291,7 +292,7 @@ TEST(Store, ClientOfAnotherRunIsRefused) {
     connect(server, {}, "some-other-job");
     FAIL() << "client of another run accepted";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.status(), Status::AuthFailed);
+    EXPECT_EQ(e.kind(), StoreErrorKind::AuthFailed);
     EXPECT_NE(std::string(e.what()).find("some-other-job"), std::string::npos) << e.what();
   }
 }
@@ -306,7 +307,7 @@ TEST(Store, FullStoreRefusesWrites) {
     c.set("big", std::string(2000, 'x'));
     FAIL() << "store grew beyond its limit";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.status(), Status::StoreFull);
+    EXPECT_EQ(e.kind(), StoreErrorKind::StoreFull);
   }
   EXPECT_LE(server.stats().bytes, 1000u);
 }

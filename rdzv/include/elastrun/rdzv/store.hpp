@@ -20,19 +20,35 @@
 
 #include "elastrun/rdzv/auth.hpp"
 #include "elastrun/rdzv/kv.hpp"
-#include "elastrun/rdzv/protocol.hpp"
 
 namespace elastrun::rdzv {
+
+// Why a store request failed, as callers see it (the wire protocol's statuses stay private to
+// rdzv, in src/protocol.hpp).
+enum class StoreErrorKind {
+  NotFound,
+  CasFailed,
+  Timeout,
+  NoSuchLease,       // expired, revoked, or never granted: the holder was declared dead
+  Compacted,         // a watch asked for history the server no longer keeps
+  BadRequest,
+  AuthFailed,        // refused: wrong credentials, or a store of another run
+  NotAuthenticated,
+  TooLarge,
+  StoreFull,
+  NotANumber,
+  ConnectionLost,    // transport: unreachable, or the connection dropped
+};
+std::string_view to_string(StoreErrorKind kind);
 
 // A store request failed: transport, refusal, or a status the caller did not expect.
 class StoreError : public std::runtime_error {
  public:
-  StoreError(protocol::Status status, const std::string& what)
-      : std::runtime_error(what), status_(status) {}
-  protocol::Status status() const { return status_; }
+  StoreError(StoreErrorKind kind, const std::string& what) : std::runtime_error(what), kind_(kind) {}
+  StoreErrorKind kind() const { return kind_; }
 
  private:
-  protocol::Status status_;
+  StoreErrorKind kind_;
 };
 
 struct StoreServerOptions {

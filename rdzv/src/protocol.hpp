@@ -16,6 +16,8 @@
 #include <string_view>
 #include <vector>
 
+#include "elastrun/rdzv/store.hpp"
+
 namespace elastrun::rdzv::protocol {
 
 inline constexpr std::uint32_t kMagic = 0x5A524C45;  // "ELRZ" on the wire
@@ -67,6 +69,9 @@ enum class Status : std::uint8_t {
   ConnectionLost = 100,  // never on the wire: the client's view of a dropped connection
 };
 std::string_view to_string(Status status);
+// The public face of a status that failed a request (elastrun/rdzv/store.hpp). Ok maps to
+// BadRequest: a request never fails with Ok.
+StoreErrorKind error_kind(Status status);
 
 // Header: magic u32 | version u8 | op u8 | status u8 | flags u8 | request id u32 | body length u32
 struct FrameHeader {
