@@ -1,6 +1,11 @@
-// elastrun-ckpt: list, inspect, verify and export checkpoints.
+// elastrun-ckpt: list, inspect, verify, export and compare checkpoints.
 #include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
 #include <iostream>
+#include <limits>
+#include <map>
 #include <set>
 
 #include <CLI/CLI.hpp>
@@ -149,6 +154,128 @@ int command_export(const fs::path& given, const fs::path& output) {
   return 0;
 }
 
+
+// ---- diff --------------------------------------------------------------------------------------
+
+// Exit status of diff when the checkpoints cannot be compared at all (usage, unreadable step),
+// as cmp(1)/diff(1) do: 1 means "they differ".
+constexpr int kDiffTrouble = 2;
+
+double half_to_double(std::uint16_t h) {
+  const int sign = (h >> 15) & 1, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  double value;
+  if (exponent == 0) value = std::ldexp(mantissa, -24);  // zero, subnormal
+  else if (exponent == 31) value = mantissa ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
+  else value = std::ldexp(mantissa + 1024, exponent - 25);
+  return sign ? -value : value;
+}
+
+// Element `i` of a buffer of `dtype` as a double.
+double element(const std::byte* data, DType dtype, std::size_t i) {
+  auto load = [&]<typename T>(T) {
+    T v;
+    std::memcpy(&v, data + i * sizeof(T), sizeof(T));
+    return v;
+  };
+  switch (dtype) {
+    case DType::float16: return half_to_double(load(std::uint16_t{}));
+    case DType::bfloat16: return std::bit_cast<float>(static_cast<std::uint32_t>(load(std::uint16_t{})) << 16);
+    case DType::float32: return load(float{});
+    case DType::float64: return load(double{});
+    case DType::int8: return load(std::int8_t{});
+    case DType::int16: return load(std::int16_t{});
+    case DType::int32: return load(std::int32_t{});
+    case DType::int64: return static_cast<double>(load(std::int64_t{}));
+    case DType::uint8: return load(std::uint8_t{});
+    case DType::boolean: return load(std::uint8_t{}) != 0 ? 1.0 : 0.0;
+  }
+  return 0;
+}
+
+// |a - b| where equal infinities and two NaNs count as equal, one NaN as infinitely far.
+double distance(double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b) ? 0.0 : std::numeric_limits<double>::infinity();
+  if (a == b) return 0.0;  // also equal infinities
+  return std::fabs(a - b);
+}
+
+// max |a - b| over a tensor present in both checkpoints with the same dtype and shape, read in
+// blocks of rows of at most ~16 MiB per side (every piece is hash-verified on first read).
+double tensor_distance(Checkpoint& a, Checkpoint& b, const TensorInfo& t) {
+  const std::uint64_t count = element_count(t.shape);
+  if (count == 0) return 0.0;
+  const std::size_t esize = dtype_size(t.dtype);
+  const std::uint64_t rows = t.shape.empty() ? 1 : t.shape[0];
+  const std::uint64_t row_elements = t.shape.empty() ? 1 : count / rows;
+  const std::uint64_t block_rows =
+      std::max<std::uint64_t>(1, (16u << 20) / std::max<std::uint64_t>(1, row_elements * esize));
+  std::vector<std::byte> ba, bb;
+  double worst = 0.0;
+  for (std::uint64_t r = 0; r < rows; r += block_rows) {
+    const std::uint64_t n = std::min(block_rows, rows - r);
+    Shape offset(t.shape.size(), 0), extent = t.shape;
+    if (!t.shape.empty()) {
+      offset[0] = r;
+      extent[0] = n;
+    }
+    const std::size_t elements = n * row_elements;
+    ba.resize(elements * esize);
+    bb.resize(elements * esize);
+    a.read(TensorTarget::box(t.name, t.dtype, offset, extent, ba.data()));
+    b.read(TensorTarget::box(t.name, t.dtype, offset, extent, bb.data()));
+    for (std::size_t i = 0; i < elements; ++i)
+      worst = std::max(worst, distance(element(ba.data(), t.dtype, i), element(bb.data(), t.dtype, i)));
+  }
+  return worst;
+}
+
+std::string shape_text(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ",")); }
+
+// Compares every tensor of two checkpoints by name. Exit 0: same tensors, every max |Δ| <= tol;
+// 1: some tensor above tol, or missing/extra tensors, or a dtype/shape mismatch (one stderr
+// line each); 2: a checkpoint cannot be read.
+int command_diff(const fs::path& given_a, const fs::path& given_b, double tol) {
+  // Any exception (unreadable or damaged checkpoint) is exit 2, by the caller.
+  std::optional<Checkpoint> a(resolve_step(given_a)), b(resolve_step(given_b));
+  fmt::print("a: {} (step {}, world size {})\nb: {} (step {}, world size {})\n", a->path().string(),
+             a->step(), a->world_size(), b->path().string(), b->step(), b->world_size());
+  std::map<std::string, const TensorInfo*> in_a, in_b;
+  for (const auto& t : a->tensors()) in_a[t.name] = &t;
+  for (const auto& t : b->tensors()) in_b[t.name] = &t;
+  int mismatches = 0;
+  for (const auto& [name, t] : in_b) {
+    if (!in_a.contains(name)) {
+      fmt::print(stderr, "elastrun-ckpt: tensor '{}' is only in b ({})\n", name, b->path().string());
+      ++mismatches;
+    }
+  }
+  double worst = 0.0;
+  std::size_t compared = 0;
+  for (const auto& [name, ta] : in_a) {
+    const auto it = in_b.find(name);
+    if (it == in_b.end()) {
+      fmt::print(stderr, "elastrun-ckpt: tensor '{}' is only in a ({})\n", name, a->path().string());
+      ++mismatches;
+      continue;
+    }
+    const TensorInfo* tb = it->second;
+    if (ta->dtype != tb->dtype || ta->shape != tb->shape) {
+      fmt::print(stderr, "elastrun-ckpt: tensor '{}' differs in type: {} {} in a, {} {} in b\n", name,
+                 dtype_name(ta->dtype), shape_text(ta->shape), dtype_name(tb->dtype), shape_text(tb->shape));
+      ++mismatches;
+      continue;
+    }
+    const double d = tensor_distance(*a, *b, *ta);
+    fmt::print("{} {:.6e}{}\n", name, d, d > tol ? "  ABOVE TOLERANCE" : "");
+    worst = std::max(worst, d);
+    ++compared;
+  }
+  fmt::print("max |Δ| = {:.6e} over {} tensors (tol {:g}){}\n", worst, compared, tol,
+             mismatches ? fmt::format("; {} tensor(s) not comparable", mismatches) : "");
+  // NaN never passes a tolerance.
+  return mismatches == 0 && worst <= tol ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -170,8 +297,39 @@ int main(int argc, char** argv) {
   export_cmd->add_option("STEP", path, "Step directory, or a checkpoint directory for latest")
       ->required();
   export_cmd->add_option("--to", output, "Output .safetensors file")->required();
-  CLI11_PARSE(app, argc, argv);
+  fs::path other;
+  double tol = 1e-4;
+  auto* diff = app.add_subcommand(
+      "diff", "Max abs difference per tensor of two checkpoints (exit 0 if all <= tol, 1 if not, 2 on errors)");
+  diff->add_option("A", path, "Step directory, or a checkpoint directory for latest")->required();
+  diff->add_option("B", other, "Step directory, or a checkpoint directory for latest")->required();
+  diff->add_option("--tol", tol, "Largest allowed max |a - b| of any element (default 1e-4)")
+      ->check(CLI::Validator(
+          [](const std::string& text) {
+            std::size_t used = 0;
+            double value = -1;
+            try {
+              value = std::stod(text, &used);
+            } catch (const std::exception&) {
+            }
+            return used == text.size() && value >= 0 ? std::string() : "must be a number >= 0, not '" + text + "'";
+          },
+          "TOL"));
   try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);  // prints help (rc 0) or the usage error
+    return rc == 0 ? 0 : 2;
+  }
+  try {
+    if (*diff) {
+      try {
+        return command_diff(path, other, tol);
+      } catch (const std::exception& e) {
+        std::cerr << "elastrun-ckpt: " << e.what() << "\n";
+        return kDiffTrouble;
+      }
+    }
     if (*ls) return command_ls(path);
     if (*inspect) return command_inspect(path, show_shards);
     if (*verify) return command_verify(path);
