@@ -18,24 +18,14 @@
 
 #include "events.hpp"
 #include "options.hpp"
+#include "temp_dir.hpp"
 
 namespace elastrun::launcher {
 namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "launcher-events-XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using test_support::TempDir;
 
 std::vector<nlohmann::json> read_events(const fs::path& path) {
   std::vector<nlohmann::json> events;

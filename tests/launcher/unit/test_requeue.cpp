@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "requeue.hpp"
+#include "temp_dir.hpp"
 
 namespace elastrun::launcher {
 namespace {
@@ -15,18 +16,7 @@ namespace fs = std::filesystem;
 using Verdict = RequeueDecision::Verdict;
 constexpr std::array<std::int64_t, kFailureClasses> kBudgets{0, 3, kUnlimited, kUnlimited};
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "launcher-unit-XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using test_support::TempDir;
 
 TEST(RequeuePolicy, NotUnderSlurm) {
   RequeueLedger ledger("", "", 0);

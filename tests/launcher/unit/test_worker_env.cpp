@@ -11,24 +11,14 @@
 
 #include "failure_report.hpp"
 #include "worker_env.hpp"
+#include "temp_dir.hpp"
 
 namespace elastrun::launcher {
 namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "launcher-unit-XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
+using test_support::TempDir;
 
 std::map<std::string, std::string> as_map(const std::vector<std::string>& env) {
   std::map<std::string, std::string> m;
