@@ -1,20 +1,12 @@
 #include "agent.hpp"
 
-#include <fcntl.h>
+// The state machine: Agent::run() and one method per state (agent.hpp). Set-up is in
+// agent_setup.cpp, stopping for a checkpoint in agent_stop.cpp.
 #include <signal.h>
-#include <sys/prctl.h>
-#include <unistd.h>
-
-#include <cstdlib>
-#include <thread>
 
 #include <fmt/format.h>
-#include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
-#include "elastrun/rdzv/etcd.hpp"
-#include "elastrun/rdzv/hostlist.hpp"
-#include "elastrun/rdzv/store.hpp"
 #include "job_outcome.hpp"
 #include "restart_policy.hpp"
 #include "worker_env.hpp"
@@ -33,14 +25,6 @@ constexpr Millis kFailureSettle{300};
 // How long an agent that lost the restart claim waits for the claimer's decision.
 constexpr Millis kClaimerPatience{10'000};
 
-void ensure_std_fds() {
-  for (int fd = 0; fd <= 2; ++fd) {
-    if (::fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
-    int null = ::open("/dev/null", O_RDWR);  // takes the lowest free number, i.e. `fd`
-    if (null < 0) throw std::system_error(errno, std::generic_category(), "open /dev/null");
-  }
-}
-
 }  // namespace
 
 std::string_view to_string(State s) {
@@ -55,18 +39,6 @@ std::string_view to_string(State s) {
     case State::Exit: return "EXIT";
   }
   return "?";
-}
-
-TempDir::TempDir() {
-  const char* tmp = std::getenv("TMPDIR");
-  std::string pattern = fmt::format("{}/elastrun-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-  if (!::mkdtemp(pattern.data())) throw std::system_error(errno, std::generic_category(), "mkdtemp " + pattern);
-  path_ = pattern;
-}
-
-TempDir::~TempDir() {
-  std::error_code ec;
-  fs::remove_all(path_, ec);
 }
 
 // ---- the loop --------------------------------------------------------------------------------
@@ -348,75 +320,7 @@ State Agent::succeeded() {
   return exit_with(0);
 }
 
-// ---- set-up and helpers ------------------------------------------------------------------------
-
-void Agent::resolve_command() {
-  const bool python = !o_.no_python && (o_.module || o_.run_path || o_.program.ends_with(".py"));
-  if (python) {
-    auto interp = find_executable(o_.python);
-    if (!interp) throw UsageError(fmt::format("python interpreter '{}' not found (set ELASTRUN_PYTHON)", o_.python));
-    command_path_ = *interp;
-    command_argv_ = {o_.python, "-u"};
-    if (o_.module) command_argv_.push_back("-m");
-  } else {
-    auto exe = find_executable(o_.program);
-    if (!exe) throw UsageError(fmt::format("program '{}' not found or not executable", o_.program));
-    command_path_ = *exe;
-  }
-  command_argv_.push_back(o_.program);
-  command_argv_.insert(command_argv_.end(), o_.program_args.begin(), o_.program_args.end());
-}
-
-void Agent::bootstrap() {
-  const bool etcd = uses_etcd(o_.rdzv_backend);
-  const bool standalone =
-      o_.standalone || (!etcd && !env_.slurm && o_.rdzv_endpoint.empty() && o_.master_addr.empty() &&
-                        o_.max_nodes.value_or(1) == 1);
-  std::string endpoint = o_.rdzv_endpoint;
-  if (endpoint.empty() && !o_.master_addr.empty())
-    endpoint = fmt::format("{}:{}", o_.master_addr, o_.master_port.value_or(29500));
-  const BootstrapOverrides overrides{.endpoint = endpoint, .run_id = o_.rdzv_id, .is_host = o_.is_host,
-                                     .nproc = o_.nproc_per_node, .role = o_.role};
-  if (standalone) {
-    auth_ = o_.rdzv_auth == "auto" ? AuthConfig{} : auth_from_option(o_.rdzv_auth);
-    plan_ = plan_standalone(env_, overrides);
-  } else {
-    auth_ = auth_from_option(o_.rdzv_auth);
-    plan_ = plan_bootstrap(env_, overrides);
-    const int step_nodes = env_.slurm ? env_.placement.num_nodes : 1;
-    min_nodes_ = o_.min_nodes.value_or(step_nodes);
-    max_nodes_ = o_.max_nodes.value_or(std::max(step_nodes, min_nodes_));
-    if (env_.slurm && env_.placement.local_world_size > 1)
-      spdlog::warn("warning: {} Slurm tasks on this node; run one agent per node (srun --ntasks-per-node=1)",
-                   env_.placement.local_world_size);
-  }
-  if (o_.node_rank) plan_.me.node_index = *o_.node_rank;
-  if (!o_.local_addr.empty()) plan_.me.address = o_.local_addr;
-  spdlog::set_pattern(fmt::format("[elastrun node {}] %v", plan_.me.node_name));
-  open_event_log();
-
-  std::unique_ptr<KvBackend> kv, hb;
-  StoreConnector connector;
-  if (etcd) {
-    kv = std::make_unique<EtcdKv>(endpoint);
-    hb = std::make_unique<EtcdKv>(endpoint);
-  } else {
-    stores_ = start_agent_stores(plan_, auth_);
-    if (stores_.primary && !standalone) spdlog::info("hosting the rendezvous store on port {}", stores_.primary->port());
-    if (standalone) plan_.store_port = stores_.primary->port();
-    connector = store_connector(auth_, plan_.run_id);
-    kv = connect_store(plan_, auth_, o_.join_timeout);
-    hb = connect_store(plan_, auth_, o_.join_timeout);
-  }
-  RendezvousConfig config{.run_id = plan_.run_id, .min_nodes = min_nodes_, .max_nodes = max_nodes_,
-                          .join_timeout = o_.join_timeout, .last_call_timeout = o_.last_call_timeout,
-                          .heartbeat_timeout = o_.heartbeat_timeout};
-  rdzv_ = std::make_unique<Rendezvous>(std::move(kv), std::move(hb), config, plan_.me, connector);
-  spdlog::info("run '{}', backend {}{}, store {}:{}, nodes {}:{}, {} worker(s) per node", plan_.run_id,
-               standalone ? "standalone" : to_string(o_.rdzv_backend), plan_.host_store ? " (hosted here)" : "",
-               etcd ? endpoint : plan_.store_address, etcd ? 0 : plan_.store_port, min_nodes_, max_nodes_,
-               o_.nproc_per_node);
-}
+// ---- helpers of the states ---------------------------------------------------------------------
 
 // A fresh control channel per attempt: a new attempt never sees an old request.
 void Agent::open_control_channel(const fs::path& attempt_dir) {
@@ -463,76 +367,6 @@ void Agent::log_state(std::string_view name, const std::string& what) {
 void Agent::record_exit(const WorkerExit& e) {
   events_.emit("worker_exit", {{"rank", e.global_rank}, {"local_rank", e.local_rank}, {"pid", e.pid},
                                {"exit_code", e.exit_code}, {"signal", e.signal ? signal_name(e.signal) : ""}});
-}
-
-// --events, or <--log-dir>/events-<node>.jsonl: opened before anything else happens, so a path
-// that cannot be written is a usage error (exit 2) rather than a silent gap in the log.
-void Agent::open_event_log() {
-  std::string path = o_.events;
-  if (path.empty() && !o_.log_dir.empty())
-    path = (fs::path(o_.log_dir) / fmt::format("events-{}.jsonl", plan_.me.node_name)).string();
-  if (path.empty()) return;
-  try {
-    events_ = EventLog(fs::absolute(path).string(), plan_.me.node_name, plan_.run_id);
-  } catch (const std::system_error& e) {
-    throw UsageError(fmt::format("--events: {} ({}); give a writable path", e.what(),
-                                 o_.events.empty() ? "from --log-dir" : "--events"));
-  }
-}
-
-// The store (or a standby we failed over to) lives in this process: keep it up until the
-// other agents have left (they need it to see the close / pass the exit barrier), bounded.
-void Agent::linger_for_peers() {
-  rdzv_.reset();  // revokes our lease, closes our connections
-  for (auto* s : {stores_.primary.get(), stores_.standby.get()}) {
-    if (!s) continue;
-    const auto deadline = Clock::now() + std::chrono::seconds(10);
-    while (s->stats().connections > 0 && Clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-}
-
-int run_agent(int argc, char** argv) {
-  spdlog::set_default_logger(spdlog::stderr_color_mt("elastrun"));
-  spdlog::set_pattern("[elastrun] %v");
-  std::optional<DetectedEnv> env;
-  std::string env_error;
-  try {
-    env = detect_environment(current_environment(), expand_hostlist);
-  } catch (const EnvError& e) {
-    env_error = e.what();
-  }
-  AgentOptions options;
-  try {
-    if (parse_agent_options(argc, argv, env ? env->pet_overrides : std::map<std::string, std::string>{},
-                            options) == ParseOutcome::Exit0)
-      return 0;
-  } catch (const UsageError& e) {
-    fmt::print(stderr, "elastrun: error: {}; run 'elastrun --help'\n", e.what());
-    return 2;
-  }
-  if (!env) {
-    fmt::print(stderr, "elastrun: error: {}\n", env_error);
-    return 1;
-  }
-  try {
-    ensure_std_fds();
-    struct sigaction ign{};
-    ign.sa_handler = SIG_IGN;
-    if (::sigaction(SIGPIPE, &ign, nullptr) != 0) throw std::system_error(errno, std::generic_category(), "sigaction");
-    // orphaned grandchildren of workers are reparented to us, so we can reap and kill them
-    if (::prctl(PR_SET_CHILD_SUBREAPER, 1) != 0) throw std::system_error(errno, std::generic_category(), "prctl");
-    static AgentSignals signals;  // static: its sigwait thread is detached and outlives this frame
-    signals.start();
-    Agent agent(options, *env, signals);
-    return agent.run();
-  } catch (const UsageError& e) {
-    fmt::print(stderr, "elastrun: error: {}; run 'elastrun --help'\n", e.what());
-    return 2;
-  } catch (const std::exception& e) {
-    spdlog::error("error: {}", e.what());
-    return 1;
-  }
 }
 
 }  // namespace elastrun::launcher

@@ -81,9 +81,13 @@ class Agent {
     return State::Exit;
   }
 
-  // ---- set-up and helpers (agent.cpp) ----
+  // ---- set-up (agent_setup.cpp) ----
   void resolve_command();
   void bootstrap();
+  void open_event_log();
+  void linger_for_peers();
+
+  // ---- helpers of the states (agent.cpp) ----
   void open_control_channel(const std::filesystem::path& attempt_dir);
   void write_control(elastrun::control::Request request);
   std::vector<WorkerExit> stop_workers(std::chrono::milliseconds grace);
@@ -91,9 +95,7 @@ class Agent {
   void print_summary() { failures_.print_summary(rdzv_.get(), plan_.run_id, o_.max_restarts); }
   int closed_exit(const rdzv::RendezvousClosed& closed);
   void log_state(std::string_view name, const std::string& what);  // and its event
-  void open_event_log();
   void record_exit(const WorkerExit& e);  // the event of every worker exit
-  void linger_for_peers();
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
   void ask_checkpoint_stop(int sig);  // a checkpoint signal reached us while workers ran
