@@ -7,7 +7,8 @@
 #   gloo        torch gloo all_reduce over env:// with 2 nodes x 2 tasks and only --torch-env; the
 #               same for examples' libtorch `train` (when built: TRAIN)
 #   het         srun A : B and salloc A : B + srun --het-group=0,1: global ranks, one master
-#   batch       sbatch/salloc --torch-env: every srun of the job gets it, the batch script does not
+#   batch       sbatch/salloc --torch-env: every srun of the job gets it, the batch script does not;
+#               sbatch/torch-env.sbatch runs 2 nodes x 2 tasks with a consistent torch environment
 #   concurrent  two overlapping steps of one job get different MASTER_PORTs
 #   errors      --elastic=5:2 / x / 2:4, --elastic-nproc=0, --torch-env=maybe fail before launch
 #   site        plugstack.conf arguments: unknown key fails naming it; torch_env=yes default;
@@ -225,7 +226,12 @@ batch)
   [[ $(grep -c '^step RANK=[01]$' "$out/salloc.out") == 2 ]] || { cat "$out/salloc.out"; fail "salloc --torch-env: srun steps lack the torch environment"; }
   salloc -Q -N1 --torch-env srun -N1 -n1 --torch-env=no bash -c 'echo "[${RANK-unset}]"' | grep -q '\[unset\]' ||
     fail "srun --torch-env=no does not override salloc --torch-env"
-  echo "ok: sbatch/salloc --torch-env apply to the job's srun steps, not to the batch script"
+  # sbatch/torch-env.sbatch: 2 nodes x 2 tasks, each with a consistent torch environment
+  sbatch --wait -Q -o "$out/torch-env.out" "$TESTS_DIR/../../sbatch/torch-env.sbatch" "$PY" "$TASK" ||
+    { cat "$out/torch-env.out" >&2; fail "sbatch/torch-env.sbatch failed"; }
+  "$PY" "$TESTS_DIR/check_torch_env.py" "$out/torch-env.out" 4 2 127.0.0.1 ||
+    { cat "$out/torch-env.out" >&2; fail "sbatch/torch-env.sbatch: inconsistent torch environment"; }
+  echo "ok: sbatch/salloc --torch-env apply to the job's srun steps, not to the batch script; sbatch/torch-env.sbatch gives 4 ranks"
   ;;
 concurrent)
   salloc -Q -N2 bash -c "
