@@ -1,18 +1,29 @@
-// train: a libtorch data-parallel trainer written for the elastrun worker contract.
+// train: the reference elastic trainer — a libtorch data-parallel trainer written for the
+// elastrun worker contract whose result does not depend on failures or world sizes.
 //
 //   elastrun --nnodes=2:4 --nproc-per-node=2 --no-python build/bin/train --steps 200 --ckpt-dir ckpt/
+//   build/bin/train --steps 50 --ckpt-dir ckpt/          # no agent, no Slurm: one process (world 1)
 //
-// What it shows:
+// What it shows (docs/trainer.md has the contract in full):
 //  - the process group comes from the agent's environment alone (RANK, WORLD_SIZE,
 //    MASTER_ADDR/PORT: a c10d TCPStore hosted by rank 0 and a Gloo process group over it);
-//  - gradients are averaged with all-reduce (plain data parallelism: the model is replicated);
-//  - it resumes from the newest valid checkpoint under --ckpt-dir whatever the world size was
-//    (elastrun's HDF5 checkpoints, elastrun::ckpt), so a re-formed, smaller or larger group
-//    carries on where the last one stopped;
+//  - exactly-once data: a constant global batch B (--global-batch) whatever the world size;
+//    step s consumes the global sample indices [s*B, (s+1)*B), rank r of W takes a contiguous
+//    share of them (shares differ by at most one), and sample i is generated from (--seed, i)
+//    alone by a counter-based hash. The loss and its gradients are sums over the rank's samples
+//    divided by B, all-reduced with SUM, so every world size computes the same update (only
+//    the float summation order differs);
+//  - an optimizer with state (SGD with momentum, or Adam), checkpointed with the model, with
+//    the step and the next sample index, every --ckpt-every steps by elastrun::ckpt::AsyncSaver
+//    (training does not wait for the write); it resumes from the newest valid checkpoint
+//    whatever the world size was;
 //  - it polls the agent's control channel every step (elastrun/control.hpp): on
 //    "checkpoint-and-stop" (Slurm's time-limit warning, preemption) every rank saves and exits
-//    with the "checkpointed" code 85, and the agent requeues the job.
-// Log lines are "[rank N] ...". Exit codes: 0 done, 85 checkpointed and stopped, 1 error.
+//    with the "checkpointed" code 85, and the agent requeues the job. SIGTERM without such a
+//    request stops every rank after the current step with exit 143 (bounded by --term-grace);
+//  - with $ELASTRUN_EVENTS_FILE it appends checkpoint_saved / resumed / train_done events.
+// Log lines are "[rank N] ...". Exit codes: 0 done, 85 checkpointed and stopped, 143 SIGTERM,
+// 1 error (and --fail-at-step).
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -20,13 +31,25 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
 #include <filesystem>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "elastrun/ckpt/async_saver.hpp"
 #include "elastrun/ckpt/c10d_store_comm.hpp"
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "elastrun/ckpt/torch_adapter.hpp"
@@ -34,13 +57,33 @@
 
 namespace {
 
+namespace control = elastrun::control;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kFeatures = 16;
+constexpr int kSigtermExitCode = 128 + SIGTERM;  // 143
+// Under an agent, SIGTERM usually comes from Slurm (preemption, scancel, end of the time limit),
+// which signals the agent and its workers together: the agent then asks for checkpoint-and-stop
+// through the control file. Wait this long for that request before treating SIGTERM as "stop now".
+constexpr auto kTermRequestWait = std::chrono::milliseconds(1000);
+
 struct Args {
   std::uint64_t steps = 100;
   std::uint64_t ckpt_every = 10;
   std::string ckpt_dir;
   int step_ms = 0;  // extra time per step, to make a short run last (demos, tests)
   int hidden = 32;
-  double lr = 0.05;
+  std::optional<double> lr;  // default: 0.05 (sgd), 0.005 (adam)
+  std::uint64_t global_batch = 256;
+  std::uint64_t seed = 1;
+  std::string optimizer = "sgd";
+  double momentum = 0.9;
+  std::string fail_at;  // "N[:RANK]"
+  std::uint64_t fail_step = 0;
+  int fail_rank = 0;
+  int threads = 1;
+  int keep_last = 3;
+  double term_grace = 3.0;
 };
 
 std::string env_or(const char* name, std::string fallback) {
@@ -54,114 +97,447 @@ int env_int(const char* name) {
   return std::stoi(v);
 }
 
-// The regression task: y = x . w_true + noise, with a fixed w_true; each rank draws its own
-// samples, deterministically from (step, rank).
-torch::Tensor true_weights() {
-  return torch::linspace(-1.0, 1.0, 16).unsqueeze(1);
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// "[rank N] " unless the elastrun agent runs us (it prefixes every worker line itself).
+std::string line_prefix() {
+  if (std::getenv("ELASTRUN_GENERATION")) return "";
+  return "[rank " + env_or("RANK", "0") + "] ";
+}
+
+// ---- SIGTERM: stop after the current step, bounded --------------------------------------------
+
+volatile sig_atomic_t g_sigterm = 0;
+void on_sigterm(int) { g_sigterm = 1; }
+// Set while every rank saves for checkpoint-and-stop: the watchdog then leaves the process alone
+// (the agent bounds that phase with --checkpoint-timeout).
+std::atomic<bool> g_stop_saving{false};
+
+// ---- data: sample i is a function of (seed, i) alone ------------------------------------------
+
+std::uint64_t splitmix64(std::uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+// A uniform double in (0, 1) for counter `k` of stream `key`.
+double uniform01(std::uint64_t key, std::uint64_t k) {
+  return (static_cast<double>(splitmix64(key + splitmix64(k)) >> 11) + 0.5) * 0x1p-53;
+}
+
+// Stream keys: one per (seed, purpose, index), never per rank.
+std::uint64_t stream_key(std::uint64_t seed, std::uint64_t purpose, std::uint64_t index) {
+  return splitmix64(splitmix64(splitmix64(seed) ^ purpose) + index);
+}
+constexpr std::uint64_t kSampleStream = 0x73616d706c65ULL;  // "sample"
+constexpr std::uint64_t kInitStream = 0x696e6974ULL;        // "init"
+
+// The regression task: y = x . w_true + 0.01 noise, x ~ N(0, I_16), w_true = linspace(-1, 1, 16).
+// Samples [first, first + count) as float32 tensors x [count, 16], y [count, 1].
+std::pair<torch::Tensor, torch::Tensor> make_samples(std::uint64_t seed, std::uint64_t first, std::int64_t count) {
+  auto x = torch::empty({count, kFeatures}, torch::kFloat32);
+  auto y = torch::empty({count, 1}, torch::kFloat32);
+  float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (std::int64_t n = 0; n < count; ++n) {
+    const std::uint64_t key = stream_key(seed, kSampleStream, first + static_cast<std::uint64_t>(n));
+    double normals[kFeatures + 2];
+    for (int j = 0; j < kFeatures + 2; j += 2) {  // Box-Muller: 2 uniforms -> 2 normals
+      const double r = std::sqrt(-2.0 * std::log(uniform01(key, j)));
+      const double phi = 2.0 * M_PI * uniform01(key, j + 1);
+      normals[j] = r * std::cos(phi);
+      normals[j + 1] = r * std::sin(phi);
+    }
+    double target = 0.01 * normals[kFeatures];
+    for (int j = 0; j < kFeatures; ++j) {
+      xp[n * kFeatures + j] = static_cast<float>(normals[j]);
+      target += static_cast<double>(static_cast<float>(normals[j])) * (-1.0 + 2.0 * j / (kFeatures - 1));
+    }
+    yp[n] = static_cast<float>(target);
+  }
+  return {x, y};
+}
+
+// Rank r's share of B samples over W ranks: B/W each, one more for the first B%W ranks.
+std::pair<std::uint64_t, std::uint64_t> share_of(std::uint64_t batch, int world, int rank) {
+  const auto w = static_cast<std::uint64_t>(world), r = static_cast<std::uint64_t>(rank);
+  const std::uint64_t base = batch / w, extra = batch % w;
+  return {r * base + std::min(r, extra), base + (r < extra ? 1 : 0)};
+}
+
+// $ELASTRUN_NODE (set by the agent), else the host name.
+std::string node_name() {
+  std::string node = env_or("ELASTRUN_NODE", "");
+  if (node.empty()) {
+    char host[256] = {};
+    if (::gethostname(host, sizeof host - 1) == 0) node = host;
+  }
+  return node;
+}
+
+// ---- the event log ($ELASTRUN_EVENTS_FILE) -----------------------------------------------------
+
+// JSON lines appended with O_APPEND, each with one write(2) of < 4 KiB, so lines of several
+// processes (the agents, every worker) never interleave.
+class EventLog {
+ public:
+  explicit EventLog(std::string node) : node_(std::move(node)), run_id_(env_or("TORCHELASTIC_RUN_ID", "")) {
+    const char* path = std::getenv("ELASTRUN_EVENTS_FILE");
+    if (path && *path) {
+      fd_ = ::open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+      if (fd_ < 0) fmt::print(stderr, "warning: cannot open ELASTRUN_EVENTS_FILE {}: {}\n", path, std::strerror(errno));
+    }
+  }
+  ~EventLog() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  EventLog(const EventLog&) = delete;
+  EventLog& operator=(const EventLog&) = delete;
+  bool enabled() const { return fd_ >= 0; }
+  // One line: time, node, run_id, event, rank, then `fields` (the agent's lines start the same way).
+  void write(const std::string& event, int rank, const nlohmann::ordered_json& fields) {
+    if (fd_ < 0) return;
+    nlohmann::ordered_json line{{"time", unix_now()}, {"node", node_}, {"run_id", run_id_}, {"event", event}, {"rank", rank}};
+    for (const auto& [key, value] : fields.items()) line[key] = value;
+    std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+    if (text.size() >= 4096) return;  // never split a line (our events are far smaller)
+    const ssize_t n = ::write(fd_, text.data(), text.size());
+    if (n != static_cast<ssize_t>(text.size()) && !warned_) {
+      warned_ = true;
+      fmt::print(stderr, "warning: writing ELASTRUN_EVENTS_FILE failed: {}\n", n < 0 ? std::strerror(errno) : "short write");
+    }
+  }
+
+ private:
+  std::string node_, run_id_;
+  int fd_ = -1;
+  bool warned_ = false;
+};
+
+// ---- the trainer ---------------------------------------------------------------------------------
 
 class Trainer {
  public:
-  Trainer(Args args) : args_(std::move(args)) {
-    rank_ = env_int("RANK");
-    world_ = env_int("WORLD_SIZE");
-    const auto master = env_or("MASTER_ADDR", "127.0.0.1");
-    const auto port = static_cast<std::uint16_t>(env_int("MASTER_PORT"));
-    // Every attempt (restart or re-formed group) gets fresh keys in the store.
-    const auto attempt = env_or("TORCHELASTIC_RESTART_COUNT", "0") + "." + env_or("ELASTRUN_GENERATION", "0");
+  explicit Trainer(Args args) : args_(std::move(args)) {
+    const bool have_rank = std::getenv("RANK") && *std::getenv("RANK");
+    const bool have_world = std::getenv("WORLD_SIZE") && *std::getenv("WORLD_SIZE");
+    if (have_rank != have_world)
+      throw std::runtime_error("RANK and WORLD_SIZE must be set together (or neither: one process, world 1)");
+    if (have_rank) {
+      rank_ = env_int("RANK");
+      world_ = env_int("WORLD_SIZE");
+      if (world_ < 1 || rank_ < 0 || rank_ >= world_)
+        throw std::runtime_error(fmt::format("RANK {} / WORLD_SIZE {} is not a valid rank", rank_, world_));
+    }
+    if (world_ > 1) {
+      const auto master = env_or("MASTER_ADDR", "127.0.0.1");
+      const auto port = static_cast<std::uint16_t>(env_int("MASTER_PORT"));
+      // Every attempt (restart or re-formed group) gets fresh keys in the store.
+      const auto attempt = env_or("TORCHELASTIC_RESTART_COUNT", "0") + "." + env_or("ELASTRUN_GENERATION", "0");
+      c10d::TCPStoreOptions so;
+      so.port = port;
+      so.isServer = rank_ == 0;
+      so.numWorkers = static_cast<std::size_t>(world_);
+      so.timeout = std::chrono::minutes(5);
+      store_ = c10::make_intrusive<c10d::TCPStore>(master, so);
+      auto pg_store = c10::make_intrusive<c10d::PrefixStore>("pg/" + attempt, store_);
+      auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::minutes(5));
+      const auto iface = env_or("GLOO_SOCKET_IFNAME", "");
+      options->devices.push_back(iface.empty() ? c10d::ProcessGroupGloo::createDefaultDevice()
+                                               : c10d::ProcessGroupGloo::createDeviceForInterface(iface));
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, rank_, world_, options);
+      comm_ = std::make_unique<elastrun::ckpt::C10dStoreCommunicator>(*store_, rank_, world_, "ckpt/" + attempt);
+    } else {
+      comm_ = std::make_unique<elastrun::ckpt::SingleProcessCommunicator>();
+    }
 
-    c10d::TCPStoreOptions so;
-    so.port = port;
-    so.isServer = rank_ == 0;
-    so.numWorkers = static_cast<std::size_t>(world_);
-    so.timeout = std::chrono::minutes(5);
-    store_ = c10::make_intrusive<c10d::TCPStore>(master, so);
-    auto pg_store = c10::make_intrusive<c10d::PrefixStore>("pg/" + attempt, store_);
-    auto options = c10d::ProcessGroupGloo::Options::create(std::chrono::minutes(5));
-    const auto iface = env_or("GLOO_SOCKET_IFNAME", "");
-    options->devices.push_back(iface.empty() ? c10d::ProcessGroupGloo::createDefaultDevice()
-                                             : c10d::ProcessGroupGloo::createDeviceForInterface(iface));
-    pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, rank_, world_, options);
-    comm_.emplace(*store_, rank_, world_, "ckpt/" + attempt);
-
-    torch::manual_seed(0);  // the same initial model on every rank
-    model_ = torch::nn::Sequential(torch::nn::Linear(16, args_.hidden), torch::nn::ReLU(),
+    model_ = torch::nn::Sequential(torch::nn::Linear(kFeatures, args_.hidden), torch::nn::ReLU(),
                                    torch::nn::Linear(args_.hidden, 1));
-    optimizer_.emplace(model_->parameters(), torch::optim::SGDOptions(args_.lr));
+    init_model();
+    std::int64_t total = 0;
+    for (const auto& p : model_->named_parameters()) {
+      names_.push_back(p.key());
+      params_.push_back(p.value());
+      total += p.value().numel();
+      const auto zeros = [&] { return torch::zeros_like(p.value()); };
+      if (args_.optimizer == "sgd") {
+        state_.push_back({{"momentum", zeros()}});
+      } else {
+        state_.push_back({{"exp_avg", zeros()}, {"exp_avg_sq", zeros()}});
+      }
+    }
+    // One buffer for the all-reduce: every gradient, then the loss and the control flags.
+    flat_ = torch::zeros({total + kFlags}, torch::kFloat32);
+    std::int64_t offset = 0;
+    for (const auto& p : params_) {
+      grads_.push_back(flat_.narrow(0, offset, p.numel()).view(p.sizes()));
+      offset += p.numel();
+    }
+    tail_ = flat_.narrow(0, offset, kFlags);
+    if (!args_.ckpt_dir.empty()) {
+      elastrun::ckpt::SaveOptions options;
+      options.keep_last = args_.keep_last;
+      saver_ = std::make_unique<elastrun::ckpt::AsyncSaver>(args_.ckpt_dir, *comm_, options);
+    }
   }
 
   int run() {
     std::uint64_t step = restore();
-    elastrun::control::Status seen;
+    double loss = resumed_loss_;
     while (step < args_.steps) {
-      const double loss = train_step(step);
+      maybe_fail(step);
+      loss = train_step(step);
       ++step;
       if (rank_ == 0 && (step % 10 == 0 || step == args_.steps))
         log("step {}/{} loss {:.5f} world {}", step, args_.steps, loss, world_);
-      if (args_.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(args_.step_ms));
 
-      // Every rank must take the same decision at the same step: agree on the strongest request.
-      auto status = elastrun::control::poll();
-      auto request = torch::tensor({static_cast<int>(status.sequence > seen.sequence ? status.request
-                                                                                     : elastrun::control::Request::None)});
-      seen = status;
-      std::vector<torch::Tensor> bufs{request};
-      pg_->allreduce(bufs, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
-      const auto agreed = static_cast<elastrun::control::Request>(request.item<int>());
       const bool periodic = args_.ckpt_every > 0 && step % args_.ckpt_every == 0;
-      if (!args_.ckpt_dir.empty() && (periodic || agreed != elastrun::control::Request::None || step == args_.steps))
-        save(step, loss);
-      if (agreed == elastrun::control::Request::CheckpointAndStop) {
-        log("checkpoint-and-stop: saved step {}; exiting {}", step, elastrun::control::kCheckpointedExitCode);
-        return elastrun::control::kCheckpointedExitCode;
+      const bool last = step == args_.steps;
+      if (agreed_.stop) {
+        g_stop_saving = true;
+        if (saver_) {
+          save(step, loss, /*wait=*/true);
+          log("checkpoint-and-stop: saved step {}; exiting {}", step, control::kCheckpointedExitCode);
+        } else {
+          log("checkpoint-and-stop at step {}: no --ckpt-dir, nothing saved; exiting {}", step,
+              control::kCheckpointedExitCode);
+        }
+        return control::kCheckpointedExitCode;
       }
+      if (agreed_.term) terminate(step);
+      if (saver_ && (periodic || agreed_.checkpoint || last)) save(step, loss, /*wait=*/last);
     }
-    log("done: {} steps", args_.steps);
+    if (saver_) finish_save();  // e.g. resumed at --steps: nothing new, but a save may be pending
+    if (rank_ == 0) {
+      log("done: {} steps", args_.steps);
+      log("final loss {}", std::isnan(loss) ? std::string("nan") : fmt::format("{:.9g}", loss));
+      events_.write("train_done", rank_,
+                    {{"step", step}, {"loss", std::isnan(loss) ? nlohmann::json(nullptr) : nlohmann::json(loss)},
+                     {"world_size", world_}});
+    }
     return 0;
   }
 
  private:
+  static constexpr std::int64_t kFlags = 4;  // loss, #checkpoint requests, #stop requests, #SIGTERMs
+  struct Agreed {
+    bool checkpoint = false, stop = false, term = false;
+  };
+
   // The elastrun agent already prefixes every worker line with "[rank N]".
   template <typename... T>
   void log(fmt::format_string<T...> f, T&&... a) {
-    if (std::getenv("ELASTRUN_GENERATION")) fmt::print("{}\n", fmt::format(f, std::forward<T>(a)...));
-    else fmt::print("[rank {}] {}\n", rank_, fmt::format(f, std::forward<T>(a)...));
+    const auto line = fmt::format(f, std::forward<T>(a)...);
+    std::lock_guard lock(log_mutex_);
+    fmt::print("{}{}\n", prefix_, line);
     std::fflush(stdout);
   }
 
-  double train_step(std::uint64_t step) {
-    auto gen = at::detail::createCPUGenerator(static_cast<std::uint64_t>(step) * 1009 + static_cast<std::uint64_t>(rank_));
-    auto x = torch::randn({64, 16}, gen);
-    auto y = x.matmul(true_weights()) + 0.01 * torch::randn({64, 1}, gen);
-    optimizer_->zero_grad();
-    auto loss = torch::mse_loss(model_->forward(x), y);
-    loss.backward();
-    // Average gradients over the group (what DistributedDataParallel does, unbucketed).
+  // PyTorch's default Linear initialisation (uniform in ±1/sqrt(fan_in) for weight and bias),
+  // drawn from (seed, parameter, element) so it needs no torch generator.
+  void init_model() {
+    torch::NoGradGuard no_grad;
+    std::uint64_t index = 0;
     for (auto& p : model_->parameters()) {
-      std::vector<torch::Tensor> grads{p.grad()};
-      pg_->allreduce(grads)->wait();
-      p.grad().div_(world_);
+      const auto fan_in = p.dim() == 2 ? p.size(1) : (index == 1 ? kFeatures : args_.hidden);
+      const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+      const std::uint64_t key = stream_key(args_.seed, kInitStream, index++);
+      auto values = p.contiguous();
+      float* v = values.data_ptr<float>();
+      for (std::int64_t e = 0; e < values.numel(); ++e)
+        v[e] = static_cast<float>(bound * (2.0 * uniform01(key, static_cast<std::uint64_t>(e)) - 1.0));
+      p.copy_(values);
     }
-    optimizer_->step();
-    return loss.item<double>();
   }
 
-  void save(std::uint64_t step, double loss) {
+  // --fail-at-step N[:RANK]: exit 1 at the start of step N (after N steps) on that rank, once per
+  // job: the marker in the checkpoint directory survives restarts and requeues.
+  void maybe_fail(std::uint64_t step) {
+    if (args_.fail_at.empty() || step != args_.fail_step || rank_ != args_.fail_rank) return;
+    std::filesystem::create_directories(args_.ckpt_dir);  // a failure before the first save
+    const auto marker = std::filesystem::path(args_.ckpt_dir) /
+                        fmt::format("train-fail-at-step-{}.rank-{}.done", args_.fail_step, args_.fail_rank);
+    const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      if (errno == EEXIST) return;  // failed once already in this job
+      throw std::runtime_error(fmt::format("--fail-at-step: cannot create {}: {}", marker.string(), std::strerror(errno)));
+    }
+    ::fsync(fd);
+    ::close(fd);
+    const int dir = ::open(args_.ckpt_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dir >= 0) {
+      ::fsync(dir);
+      ::close(dir);
+    }
+    log("--fail-at-step {}:{}: failing on purpose at step {} (exit 1; marker {})", args_.fail_step,
+        args_.fail_rank, step, marker.string());
+    std::fflush(stderr);
+    std::_Exit(1);
+  }
+
+  // One step over the global samples [next_sample_, next_sample_ + B): this rank's share,
+  // loss = sum of squared errors / B, gradients all-reduced with SUM together with the loss and
+  // the control flags (one all-reduce per step; every rank takes the same decision).
+  double train_step(std::uint64_t step) {
+    const auto [offset, count] = share_of(args_.global_batch, world_, rank_);
+    auto [x, y] = make_samples(args_.seed, next_sample_ + offset, static_cast<std::int64_t>(count));
+    model_->zero_grad();
+    auto loss = (model_->forward(x) - y).pow(2).sum() / static_cast<double>(args_.global_batch);
+    loss.backward();
+    {
+      torch::NoGradGuard no_grad;
+      for (std::size_t q = 0; q < params_.size(); ++q) {
+        const auto& g = params_[q].grad();
+        if (g.defined()) grads_[q].copy_(g);
+        else grads_[q].zero_();
+      }
+    }
+    if (args_.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(args_.step_ms));
+
+    const Agreed local = poll_control();
+    auto tail = tail_.accessor<float, 1>();
+    tail[0] = loss.item<float>();
+    tail[1] = local.checkpoint ? 1.0f : 0.0f;
+    tail[2] = local.stop ? 1.0f : 0.0f;
+    tail[3] = local.term ? 1.0f : 0.0f;
+    if (pg_) {
+      std::vector<torch::Tensor> bufs{flat_};
+      pg_->allreduce(bufs, c10d::AllreduceOptions{c10d::ReduceOp::SUM})->wait();
+    }
+    agreed_ = Agreed{tail[1] > 0.5f, tail[2] > 0.5f, tail[3] > 0.5f};
+    const double global_loss = tail[0];
+    optimizer_step(step + 1);
+    next_sample_ += args_.global_batch;
+    return global_loss;
+  }
+
+  // This rank's view of the requests: the control channel (and SIGUSR1/SIGUSR2, which
+  // control::poll() merges in as checkpoint-and-stop), and SIGTERM.
+  Agreed poll_control() {
+    auto status = control::poll();
+    Agreed a;
+    a.term = g_sigterm != 0;
+    if (a.term && !status.stop() && std::getenv(control::kControlFileEnv)) {
+      const auto deadline = Clock::now() + kTermRequestWait;
+      while (!status.stop() && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        status = control::poll();
+      }
+    }
+    a.stop = status.stop();
+    a.checkpoint = status.checkpoint() && status.sequence > seen_sequence_;
+    if (status.sequence > seen_sequence_) seen_sequence_ = status.sequence;
+    return a;
+  }
+
+  // update: the number of this update (1 for the first step).
+  void optimizer_step(std::uint64_t update) {
+    torch::NoGradGuard no_grad;
+    const double lr = *args_.lr;
+    const double t = static_cast<double>(update);
+    for (std::size_t q = 0; q < params_.size(); ++q) {
+      auto& p = params_[q];
+      const auto& g = grads_[q];
+      if (args_.optimizer == "sgd") {  // torch.optim.SGD(momentum=m, dampening=0, nesterov=False)
+        auto& buf = state_[q][0].second;
+        buf.mul_(args_.momentum).add_(g);
+        p.add_(buf, -lr);
+      } else {  // torch.optim.Adam(betas=(0.9, 0.999), eps=1e-8)
+        constexpr double b1 = 0.9, b2 = 0.999, eps = 1e-8;
+        auto& m = state_[q][0].second;
+        auto& v = state_[q][1].second;
+        m.mul_(b1).add_(g, 1 - b1);
+        v.mul_(b2).addcmul_(g, g, 1 - b2);
+        const double c1 = 1 - std::pow(b1, t), c2 = 1 - std::pow(b2, t);
+        auto denom = (v.sqrt() / std::sqrt(c2)).add_(eps);
+        p.addcdiv_(m, denom, -lr / c1);
+      }
+    }
+  }
+
+  nlohmann::json metadata(std::uint64_t step, double loss) const {
+    return {{"step", step},
+            {"next_sample", next_sample_},
+            {"global_batch", args_.global_batch},
+            {"seed", args_.seed},
+            {"optimizer", args_.optimizer},
+            {"lr", *args_.lr},
+            {"momentum", args_.momentum},
+            {"hidden", args_.hidden},
+            {"loss", std::isnan(loss) ? nlohmann::json(nullptr) : nlohmann::json(loss)},
+            {"world_size", world_}};
+  }
+
+  // Starts an asynchronous save of the model and the optimizer state (returns after the
+  // snapshot); a helper thread waits for it to be durable, then logs it and writes the event.
+  // The previous save must be done first (AsyncSaver runs one at a time): its error, if any, is
+  // thrown here, on every rank at the same step. wait: also wait until this one is durable.
+  void save(std::uint64_t step, double loss, bool wait) {
+    const auto t0 = Clock::now();
+    finish_save();
     elastrun::ckpt::torch_adapter::SaveViews views;
-    for (const auto& p : model_->named_parameters()) views.add_replicated("model/" + p.key(), p.value());
-    nlohmann::json meta{{"step", step}, {"loss", loss}, {"world_size", world_}};
-    elastrun::ckpt::SaveOptions options;
-    options.keep_last = 3;
-    auto result = elastrun::ckpt::save_checkpoint(args_.ckpt_dir, step, views.views(), meta, *comm_, options);
-    if (rank_ == 0) log("checkpoint step {} -> {}", step, result.path.string());
+    for (std::size_t q = 0; q < params_.size(); ++q) {
+      views.add_replicated("model/" + names_[q], params_[q]);
+      for (const auto& [kind, tensor] : state_[q]) views.add_replicated("optim/" + names_[q] + "/" + kind, tensor);
+    }
+    saver_->save(step, views.views(), metadata(step, loss));
+    const double blocked = seconds_since(t0);
+    tracker_ = std::thread([this, step, t0, blocked] {
+      try {
+        const auto result = saver_->wait();
+        const double durable = seconds_since(t0);
+        if (rank_ == 0)
+          log("checkpoint step {} -> {} (blocked {:.3f} s, durable after {:.3f} s)", step,
+              result ? result->path.string() : std::string("?"), blocked, durable);
+        if (result) for (const auto& w : result->warnings) if (rank_ == 0) log("checkpoint warning: {}", w);
+        events_.write("checkpoint_saved", rank_,
+                      {{"step", step}, {"bytes", result ? result->bytes_written : 0}, {"blocked_s", blocked},
+                       {"durable_s", durable}, {"world_size", world_}});
+      } catch (const std::exception& e) {
+        log("checkpoint of step {} failed: {}", step, e.what());
+        std::string what = e.what();
+        if (what.size() > 1000) what.resize(1000);
+        events_.write("checkpoint_failed", rank_, {{"step", step}, {"error", what}});
+        tracker_error_ = std::current_exception();
+      }
+    });
+    if (wait) finish_save();
+  }
+
+  // Waits for the save in flight (if any) to be durable; rethrows its error.
+  void finish_save() {
+    if (tracker_.joinable()) tracker_.join();
+    if (tracker_error_) std::rethrow_exception(std::exchange(tracker_error_, nullptr));
+  }
+
+  // SIGTERM with no checkpoint-and-stop request: every rank stops after this step. The save in
+  // flight, if any, gets part of the grace to become durable; nothing new is saved.
+  [[noreturn]] void terminate(std::uint64_t step) {
+    log("SIGTERM: stopping after step {} without a checkpoint; exiting {}", step, kSigtermExitCode);
+    if (saver_) {
+      const auto deadline = Clock::now() + std::chrono::duration<double>(args_.term_grace / 2);
+      while (saver_->busy() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    // Not a normal return: the saver's and the process group's destructors may block on peers.
+    std::_Exit(kSigtermExitCode);
   }
 
   std::uint64_t restore() {
     if (args_.ckpt_dir.empty()) return 0;
     elastrun::ckpt::torch_adapter::RestoreTargets targets;
     torch::NoGradGuard no_grad;
-    auto params = model_->named_parameters();
-    for (auto& p : params) targets.add_whole("model/" + p.key(), p.value());
+    for (std::size_t q = 0; q < params_.size(); ++q) {
+      targets.add_whole("model/" + names_[q], params_[q]);
+      for (auto& [kind, tensor] : state_[q]) targets.add_whole("optim/" + names_[q] + "/" + kind, tensor);
+    }
     auto restored = elastrun::ckpt::restore_latest(args_.ckpt_dir, targets.targets(), *comm_);
     if (!restored) {
       if (rank_ == 0) log("no checkpoint under {}: starting at step 0", args_.ckpt_dir);
@@ -169,42 +545,144 @@ class Trainer {
     }
     targets.finish();
     for (const auto& why : restored->skipped) if (rank_ == 0) log("skipped a checkpoint: {}", why);
-    const auto step = restored->metadata.at("step").get<std::uint64_t>();
-    if (rank_ == 0)
-      log("resumed from step {} (saved by a world of {}, now {})", step,
-          restored->metadata.value("world_size", 0), world_);
+    const auto& meta = restored->metadata;
+    const auto step = meta.at("step").get<std::uint64_t>();
+    if (meta.contains("seed") && meta.at("seed").get<std::uint64_t>() != args_.seed)
+      throw std::runtime_error(fmt::format("the checkpoint in {} was trained with --seed {}, not {}: pass --seed {} "
+                                           "or use another --ckpt-dir",
+                                           restored->path.string(), meta.at("seed").get<std::uint64_t>(),
+                                           args_.seed, meta.at("seed").get<std::uint64_t>()));
+    next_sample_ = meta.value("next_sample", step * args_.global_batch);
+    if (meta.contains("loss") && meta.at("loss").is_number()) resumed_loss_ = meta.at("loss").get<double>();
+    if (rank_ == 0 && meta.value("global_batch", args_.global_batch) != args_.global_batch)
+      log("warning: the checkpoint used --global-batch {}, this run {}: continuing at sample {}",
+          meta.value("global_batch", std::uint64_t{0}), args_.global_batch, next_sample_);
+    const int saved_world = meta.value("world_size", 0);
+    if (rank_ == 0) {
+      log("resumed from step {} (saved by a world of {}, now {})", step, saved_world, world_);
+      events_.write("resumed", rank_,
+                    {{"step", step}, {"world_size", world_}, {"saved_world_size", saved_world},
+                     {"next_sample", next_sample_}});
+    }
     return step;
   }
 
   Args args_;
   int rank_ = 0, world_ = 1;
+  std::string node_ = node_name();
   c10::intrusive_ptr<c10d::TCPStore> store_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
-  std::optional<elastrun::ckpt::C10dStoreCommunicator> comm_;
+  std::unique_ptr<elastrun::ckpt::Communicator> comm_;
   torch::nn::Sequential model_{nullptr};
-  std::optional<torch::optim::SGD> optimizer_;
+  std::vector<std::string> names_;
+  std::vector<torch::Tensor> params_;
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> state_;  // optimizer state per parameter
+  torch::Tensor flat_, tail_;
+  std::vector<torch::Tensor> grads_;  // views into flat_
+  std::uint64_t next_sample_ = 0;
+  double resumed_loss_ = std::nan("");
+  std::uint64_t seen_sequence_ = 0;
+  Agreed agreed_;
+  EventLog events_{node_};
+  std::mutex log_mutex_;
+  const std::string prefix_ = line_prefix();
+  std::unique_ptr<elastrun::ckpt::AsyncSaver> saver_;
+  std::thread tracker_;
+  std::exception_ptr tracker_error_;
 };
+
+// After SIGTERM, if the main loop has not stopped within --term-grace (blocked in a collective
+// with a dead peer, or in a save), exit 143 from here.
+void start_sigterm_watchdog(double grace) {
+  std::thread([grace, prefix = line_prefix()] {
+    std::optional<Clock::time_point> since;
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (!g_sigterm) continue;
+      if (!since) since = Clock::now();
+      if (g_stop_saving || seconds_since(*since) < grace) continue;
+      fmt::print(stderr, "{}SIGTERM: not stopped after {:.1f} s (blocked in a collective?); exiting {}\n",
+                 prefix, grace, kSigtermExitCode);
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(kSigtermExitCode);
+    }
+  }).detach();
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
   Args args;
-  CLI::App app{"A libtorch data-parallel trainer for the elastrun worker contract"};
+  CLI::App app{"The reference elastic libtorch trainer for the elastrun worker contract (docs/trainer.md)"};
   app.add_option("--steps", args.steps, "train until this step")->check(CLI::PositiveNumber);
   app.add_option("--ckpt-dir", args.ckpt_dir, "checkpoint directory (default: $ELASTRUN_CHECKPOINT_DIR; none: no checkpoints)");
   app.add_option("--ckpt-every", args.ckpt_every, "save every N steps (0: only at the end and when asked)");
-  app.add_option("--step-ms", args.step_ms, "sleep this long after each step")->check(CLI::NonNegativeNumber);
+  app.add_option("--step-ms", args.step_ms, "sleep this long in each step")->check(CLI::NonNegativeNumber);
   app.add_option("--hidden", args.hidden, "hidden layer width")->check(CLI::PositiveNumber);
-  app.add_option("--lr", args.lr, "learning rate")->check(CLI::PositiveNumber);
+  app.add_option("--lr", args.lr, "learning rate (default 0.05 for sgd, 0.005 for adam)")->check(CLI::PositiveNumber);
+  app.add_option("--global-batch", args.global_batch, "samples per step, split over the ranks whatever their number")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--seed", args.seed, "seed of the data and of the initial model");
+  app.add_option("--optimizer", args.optimizer, "sgd (with momentum) or adam")->check(CLI::IsMember({"sgd", "adam"}));
+  app.add_option("--momentum", args.momentum, "SGD momentum")->check(CLI::Range(0.0, 1.0));
+  app.add_option("--fail-at-step", args.fail_at,
+                 "N[:RANK] (tests): exit 1 at the start of step N on RANK (default 0), once per job "
+                 "(a marker in --ckpt-dir)");
+  app.add_option("--threads", args.threads, "intra-op threads (0: libtorch's default)")->check(CLI::NonNegativeNumber);
+  app.add_option("--keep-last", args.keep_last, "checkpoints to keep (0: all)")->check(CLI::NonNegativeNumber);
+  app.add_option("--term-grace", args.term_grace, "after SIGTERM, exit 143 within this many seconds")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
-  if (args.ckpt_dir.empty()) args.ckpt_dir = env_or(elastrun::control::kCheckpointDirEnv, "");
-  elastrun::control::install_signal_handlers();
-  const auto rank = env_or("RANK", "?");
+  if (args.ckpt_dir.empty()) args.ckpt_dir = env_or(control::kCheckpointDirEnv, "");
+  if (!args.lr) args.lr = args.optimizer == "adam" ? 0.005 : 0.05;
+  if (!args.fail_at.empty()) {
+    const auto colon = args.fail_at.find(':');
+    try {
+      std::size_t used = 0;
+      const std::string n = args.fail_at.substr(0, colon);
+      args.fail_step = std::stoull(n, &used);
+      if (used != n.size()) throw std::invalid_argument(n);
+      if (colon != std::string::npos) {
+        const std::string r = args.fail_at.substr(colon + 1);
+        args.fail_rank = std::stoi(r, &used);
+        if (used != r.size() || args.fail_rank < 0) throw std::invalid_argument(r);
+      }
+    } catch (const std::exception&) {
+      fmt::print(stderr, "--fail-at-step: '{}' is not N or N:RANK (non-negative integers)\n", args.fail_at);
+      return 2;
+    }
+    if (args.ckpt_dir.empty()) {
+      fmt::print(stderr, "--fail-at-step needs --ckpt-dir (its marker records that the failure happened)\n");
+      return 2;
+    }
+  }
+  if (args.threads > 0) {
+    torch::set_num_threads(args.threads);
+    try {
+      at::set_num_interop_threads(args.threads);
+    } catch (const std::exception&) {
+    }
+  }
+  control::install_signal_handlers();  // SIGUSR1/SIGUSR2: checkpoint-and-stop requests
+  struct sigaction sa {};
+  sa.sa_handler = on_sigterm;  // SIGTERM: stop after this step (checkpoint only if asked)
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  ::sigaction(SIGTERM, &sa, nullptr);
+  start_sigterm_watchdog(args.term_grace);
   try {
-    Trainer trainer(args);
-    return trainer.run();
+    // Not destroyed on error (no stack unwinding through it): its destructors would wait for an
+    // in-flight save, whose collective vote may never complete once a peer is gone.
+    auto* trainer = new Trainer(args);
+    const int rc = trainer->run();
+    delete trainer;
+    return rc;
   } catch (const std::exception& e) {
-    fmt::print(stderr, "[rank {}] error: {}\n", rank, e.what());
-    return 1;
+    fmt::print(stderr, "{}error: {}\n", line_prefix(), e.what());
+    std::fflush(stderr);
+    std::fflush(stdout);
+    // Peers may be gone: do not wait in destructors (an in-flight save's collective vote).
+    std::_Exit(1);
   }
 }
