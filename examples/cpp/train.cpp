@@ -23,7 +23,7 @@
 //    request stops every rank after the current step with exit 143 (bounded by --term-grace);
 //  - with $ELASTRUN_EVENTS_FILE it appends checkpoint_saved / resumed / train_done events.
 // Log lines are "[rank N] ...". Exit codes: 0 done, 85 checkpointed and stopped, 143 SIGTERM,
-// 1 error (and --fail-at-step).
+// 1 error (and --fail-at-step), 2 bad flags.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -633,7 +633,12 @@ int main(int argc, char** argv) {
   app.add_option("--keep-last", args.keep_last, "checkpoints to keep (0: all)")->check(CLI::NonNegativeNumber);
   app.add_option("--term-grace", args.term_grace, "after SIGTERM, exit 143 within this many seconds")
       ->check(CLI::PositiveNumber);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);  // prints --help (0) or the usage error
+    return rc == 0 ? 0 : 2;
+  }
   if (args.ckpt_dir.empty()) args.ckpt_dir = env_or(control::kCheckpointDirEnv, "");
   if (!args.lr) args.lr = args.optimizer == "adam" ? 0.005 : 0.05;
   if (!args.fail_at.empty()) {
