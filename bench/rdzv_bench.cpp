@@ -33,9 +33,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double ms_since(Clock::time_point t) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
-}
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
 
 // Time from the first join to every member holding the round result. max = N, so the round
 // closes as soon as the last member joins (no last-call wait in the figure).
@@ -51,8 +49,12 @@ double round_time_ms(int members, bool detail = false) {
     me.node_name = fmt::format("n{}", i);
     me.address = "127.0.0.1";
     me.node_index = i;
-    RendezvousConfig cfg{.run_id = "bench", .min_nodes = members, .max_nodes = members,
-                         .join_timeout = 120s, .last_call_timeout = 1s, .heartbeat_timeout = 30s};
+    RendezvousConfig cfg{.run_id = "bench",
+                         .min_nodes = members,
+                         .max_nodes = members,
+                         .join_timeout = 120s,
+                         .last_call_timeout = 1s,
+                         .heartbeat_timeout = 30s};
     auto kv = std::make_unique<StoreClient>("127.0.0.1", server.port(), AuthConfig{}, "bench");
     auto hb = std::make_unique<StoreClient>("127.0.0.1", server.port(), AuthConfig{}, "bench");
     rdzv.push_back(std::make_unique<Rendezvous>(std::move(kv), std::move(hb), cfg, me));
@@ -112,7 +114,11 @@ struct Proc {
   int out = -1;
   std::string buf;
   ~Proc() {
-    if (pid > 0) { kill(pid, SIGKILL); kill(pid, SIGCONT); waitpid(pid, nullptr, 0); }
+    if (pid > 0) {
+      kill(pid, SIGKILL);
+      kill(pid, SIGCONT);
+      waitpid(pid, nullptr, 0);
+    }
     if (out >= 0) close(out);
   }
   bool wait_event(const std::string& needle, std::chrono::milliseconds timeout) {
@@ -148,7 +154,8 @@ std::unique_ptr<Proc> spawn_member(const std::string& exe, std::vector<std::stri
   std::vector<char*> argv;
   for (auto& s : args) argv.push_back(s.data());
   argv.push_back(nullptr);
-  if (posix_spawn(&p->pid, exe.c_str(), &fa, nullptr, argv.data(), environ) != 0) throw std::runtime_error("spawn " + exe);
+  if (posix_spawn(&p->pid, exe.c_str(), &fa, nullptr, argv.data(), environ) != 0)
+    throw std::runtime_error("spawn " + exe);
   posix_spawn_file_actions_destroy(&fa);
   close(fds[1]);
   p->out = fds[0];
@@ -159,8 +166,9 @@ std::unique_ptr<Proc> spawn_member(const std::string& exe, std::vector<std::stri
 double detection_ms(const std::string& exe, int signal, int hb_ms, int port) {
   auto ep = fmt::format("127.0.0.1:{}", port);
   auto common = [&](const char* node, const char* index) {
-    return std::vector<std::string>{"--endpoint", ep, "--node", node, "--index", index, "--min", "2", "--max", "3",
-                                    "--hb-ms", std::to_string(hb_ms), "--last-call-ms", "200", "--run-id", "bench"};
+    return std::vector<std::string>{"--endpoint",     ep,    "--node",   node,   "--index", index,
+                                    "--min",          "2",   "--max",    "3",    "--hb-ms", std::to_string(hb_ms),
+                                    "--last-call-ms", "200", "--run-id", "bench"};
   };
   auto host_args = common("n0", "0");
   host_args.push_back("--serve");
@@ -214,7 +222,8 @@ int main(int argc, char** argv) {
   fmt::print("{:<44}{:>9.1f} ms{:>14}{:>10.2f}\n", "detect SIGKILLed member (median of 5)", d, "< 100 ms", d / 100.0);
   fmt::print("{:<44}{:>9.1f} ms{:>14}{:>10.2f}\n", "detect silent member, hb 1 s (median of 3)", s, "<= 1500 ms",
              s / 1500.0);
-  fmt::print("reference: torchrun's dynamic rendezvous needs ~15 s of missed heartbeats + 30 s last call, and never\n"
-             "detects a dead node directly (workers must first time out in a collective).\n");
+  fmt::print(
+      "reference: torchrun's dynamic rendezvous needs ~15 s of missed heartbeats + 30 s last call, and never\n"
+      "detects a dead node directly (workers must first time out in a collective).\n");
   return 0;
 }

@@ -62,9 +62,7 @@ double peak_extra_bytes(std::uint64_t baseline_kib) {
   return peak > baseline_kib ? static_cast<double>(peak - baseline_kib) * 1024.0 : 0.0;
 }
 
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // Runs dd on this rank; returns bytes/s parsed from dd's own summary (0 if unavailable).
 // With `seek_mib`, all ranks write disjoint regions of one shared file (`remove` only by the
@@ -121,17 +119,20 @@ int main(int argc, char** argv) {
   fs::path reference_file;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--dir") dir = argv[i + 1];
-    else if (flag == "--mib-per-rank") mib_per_rank = std::stoull(argv[i + 1]);
-    else if (flag == "--tensors") tensor_count = std::stoi(argv[i + 1]);
-    else if (flag == "--reference") reference_file = argv[i + 1];
+    if (flag == "--dir")
+      dir = argv[i + 1];
+    else if (flag == "--mib-per-rank")
+      mib_per_rank = std::stoull(argv[i + 1]);
+    else if (flag == "--tensors")
+      tensor_count = std::stoi(argv[i + 1]);
+    else if (flag == "--reference")
+      reference_file = argv[i + 1];
   }
   MpiCommunicator comm(MPI_COMM_WORLD);
   const int rank = comm.rank();
   const int world = comm.size();
   // Rank 0 names the run directory; everyone uses its name.
-  const fs::path root =
-      comm.allgather(rank == 0 ? (dir / fmt::format("run-{}", ::getpid())).string() : "").at(0);
+  const fs::path root = comm.allgather(rank == 0 ? (dir / fmt::format("run-{}", ::getpid())).string() : "").at(0);
   if (rank == 0) fs::create_directories(root);
   comm.barrier();
 
@@ -143,9 +144,8 @@ int main(int argc, char** argv) {
   std::vector<TensorView> views;
   for (int t = 0; t < tensor_count; ++t) {
     data[t].assign(rows * columns, static_cast<float>(rank + t));  // touched once, up front
-    views.push_back(TensorView::sharded(fmt::format("model/t{}", t), DType::float32,
-                                        {rows * world, columns}, {rows * rank, 0}, {rows, columns},
-                                        data[t].data()));
+    views.push_back(TensorView::sharded(fmt::format("model/t{}", t), DType::float32, {rows * world, columns},
+                                        {rows * rank, 0}, {rows, columns}, data[t].data()));
   }
   const double total_bytes = static_cast<double>(rows * columns * 4 * tensor_count * world);
   auto report = [&](const char* what, double secs) {
@@ -235,8 +235,8 @@ int main(int argc, char** argv) {
 
   std::vector<TensorTarget> targets;
   for (int t = 0; t < tensor_count; ++t) {
-    targets.push_back(TensorTarget::box(fmt::format("model/t{}", t), DType::float32,
-                                        {rows * rank, 0}, {rows, columns}, data[t].data()));
+    targets.push_back(TensorTarget::box(fmt::format("model/t{}", t), DType::float32, {rows * rank, 0}, {rows, columns},
+                                        data[t].data()));
   }
   double load_rate[2] = {0, 0};
   for (bool verify : {true, false}) {
@@ -244,8 +244,7 @@ int main(int argc, char** argv) {
     start = Clock::now();
     const auto restored = restore_latest(root, targets, comm, RestoreOptions{verify, 1});
     if (!restored && rank == 0) fmt::print("load FAILED: the newest step did not restore\n");
-    load_rate[verify ? 0 : 1] =
-        report(verify ? "load (verify hashes)" : "load (no verify)", seconds_since(start));
+    load_rate[verify ? 0 : 1] = report(verify ? "load (verify hashes)" : "load (no verify)", seconds_since(start));
   }
 
   // After each async save() returns, training overwrites the whole state (an optimizer step
@@ -325,9 +324,10 @@ int main(int argc, char** argv) {
   }
   if (rank == 0) {
     const double mib = 1024.0 * 1024.0;
-    fmt::print("\n-- summary (world {}, {} MiB/rank, shard {:.0f} MiB/rank; dd median {:.2f} GB/s, "
-               "sync save median {:.3f} s) --\n",
-               world, mib_per_rank, shard_bytes / mib, dd_total / 1e9, save_secs);
+    fmt::print(
+        "\n-- summary (world {}, {} MiB/rank, shard {:.0f} MiB/rank; dd median {:.2f} GB/s, "
+        "sync save median {:.3f} s) --\n",
+        world, mib_per_rank, shard_bytes / mib, dd_total / 1e9, save_secs);
     auto line = [](std::string_view what, double value, std::string_view goal, bool met) {
       fmt::print("{:<44} {:>8.2f}   goal {:<10} {}\n", what, value, goal, met ? "met" : "NOT met");
     };
@@ -342,10 +342,9 @@ int main(int argc, char** argv) {
     line("async blocked / sync save time", blocked / save_secs, "<= 0.10", blocked / save_secs <= 0.1);
     fmt::print("{:<44} {:>8.2f}   (async until durable / sync save)\n", "async total / sync save time",
                async_total / save_secs);
-    fmt::print("{:<44} {:>8.2f}   (snapshot time / plain memcpy of the shard)\n",
-               "async blocked / memcpy floor", blocked / copy_secs);
-    line("async (fork) blocked / sync save time", fork_blocked / save_secs, "<= 0.10",
-         fork_blocked / save_secs <= 0.1);
+    fmt::print("{:<44} {:>8.2f}   (snapshot time / plain memcpy of the shard)\n", "async blocked / memcpy floor",
+               blocked / copy_secs);
+    line("async (fork) blocked / sync save time", fork_blocked / save_secs, "<= 0.10", fork_blocked / save_secs <= 0.1);
     fmt::print("{:<44} {:>8.2f}   (async until durable / sync save)\n", "async (fork) total / sync save time",
                fork_total / save_secs);
     fmt::print("{:<44} {:>8.2f}   ({:.3f} vs {:.3f} s idle)\n", "async (copy) state overwrite, during / idle",
@@ -362,14 +361,17 @@ int main(int argc, char** argv) {
         const bool is_load = name.find("load") != std::string::npos;
         const double ours = is_load ? load_rate[0] : save_rate;
         fmt::print("{:<44} {:>8.2f}   ({:.2f} vs {:.2f} GB/s; ours: {})\n",
-                   fmt::format("{} / {}", is_load ? "load" : "save", name), ours / rate, ours / 1e9,
-                   rate / 1e9, is_load ? "verified load" : "file-per-rank save, median");
+                   fmt::format("{} / {}", is_load ? "load" : "save", name), ours / rate, ours / 1e9, rate / 1e9,
+                   is_load ? "verified load" : "file-per-rank save, median");
       }
     }
     if (peak_ok) {
-      line("peak extra RSS / shard, sync file-per-rank", save_extra / shard_bytes, "<= 1.10", save_extra / shard_bytes <= 1.1);
-      line("peak extra RSS / shard, sync shared-file", shared_extra / shard_bytes, "<= 1.10", shared_extra / shard_bytes <= 1.1);
-      line("peak extra RSS / shard, async (w/ staging)", async_extra / shard_bytes, "<= 1.10", async_extra / shard_bytes <= 1.1);
+      line("peak extra RSS / shard, sync file-per-rank", save_extra / shard_bytes, "<= 1.10",
+           save_extra / shard_bytes <= 1.1);
+      line("peak extra RSS / shard, sync shared-file", shared_extra / shard_bytes, "<= 1.10",
+           shared_extra / shard_bytes <= 1.1);
+      line("peak extra RSS / shard, async (w/ staging)", async_extra / shard_bytes, "<= 1.10",
+           async_extra / shard_bytes <= 1.1);
       const double fork_extra = forks.snapshot_bytes / shard_bytes;
       line("peak extra memory / shard, async (fork)", fork_extra, "<= 1.10", fork_extra <= 1.1);
       fmt::print("{:<44} {:>8.1f} / {:.1f} / {:.1f} MiB (max over ranks)\n", "peak extra RSS sync / shared / async",

@@ -78,8 +78,7 @@ void release_child_pages(const TensorView& view) {
 }  // namespace
 
 AsyncSaver::AsyncSaver(std::filesystem::path root, Communicator& comm, SaveOptions options)
-    : root_(std::move(root)), comm_(comm), options_(options),
-      worker_([this](std::stop_token stop) { run(stop); }) {}
+    : root_(std::move(root)), comm_(comm), options_(options), worker_([this](std::stop_token stop) { run(stop); }) {}
 
 AsyncSaver::~AsyncSaver() {
   std::unique_lock lock(mutex_);
@@ -213,19 +212,22 @@ struct AsyncSaver::SnapshotProcess {
     int status = 0;
     while (::waitpid(pid, &status, 0) < 0) {
       if (errno != EINTR) {
-        throw CheckpointError(fmt::format("rank {}: waitpid for snapshot writer process {}: {}", rank,
-                                          pid, std::strerror(errno)));
+        throw CheckpointError(
+            fmt::format("rank {}: waitpid for snapshot writer process {}: {}", rank, pid, std::strerror(errno)));
       }
     }
     reaped = true;
     if (WIFSIGNALED(status)) {
-      throw CheckpointError(fmt::format("rank {}: snapshot writer process {} killed by signal {} "
-                                        "while writing {}", rank, pid, WTERMSIG(status), directory.string()));
+      throw CheckpointError(
+          fmt::format("rank {}: snapshot writer process {} killed by signal {} "
+                      "while writing {}",
+                      rank, pid, WTERMSIG(status), directory.string()));
     }
     if (!reply || reply->empty() || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      throw CheckpointError(fmt::format("rank {}: snapshot writer process {} exited with status {} "
-                                        "without a report for {}", rank, pid,
-                                        WIFEXITED(status) ? WEXITSTATUS(status) : -1, directory.string()));
+      throw CheckpointError(
+          fmt::format("rank {}: snapshot writer process {} exited with status {} "
+                      "without a report for {}",
+                      rank, pid, WIFEXITED(status) ? WEXITSTATUS(status) : -1, directory.string()));
     }
     if ((*reply)[0] == '!') throw CheckpointError(reply->substr(1));
     nlohmann::json answer = nlohmann::json::parse(*reply);
@@ -235,8 +237,7 @@ struct AsyncSaver::SnapshotProcess {
   }
 };
 
-void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
-                      nlohmann::json metadata) {
+void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors, nlohmann::json metadata) {
   std::unique_lock lock(mutex_);
   wait_idle(lock);
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
@@ -262,8 +263,7 @@ void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
   } catch (const std::exception& e) {
     job.error = fmt::format("rank {}: snapshot for step {} failed: {}", comm_.rank(), step, e.what());
   }
-  if (!job.error && options_.async_snapshot == AsyncSnapshot::fork &&
-      options_.layout == Layout::file_per_rank) {
+  if (!job.error && options_.async_snapshot == AsyncSnapshot::fork && options_.layout == Layout::file_per_rank) {
     // fork() from the writer thread, which outlives the child (PR_SET_PDEATHSIG follows the
     // forking thread, and this caller's thread may end first); this thread waits meanwhile, so
     // the tensors cannot change before the address space is copied.
@@ -281,8 +281,7 @@ void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors,
   changed_.notify_all();
 }
 
-void AsyncSaver::stage_copy(Job& job, int rank, int world,
-                            const std::function<void(const TensorView&)>& after_copy) {
+void AsyncSaver::stage_copy(Job& job, int rank, int world, const std::function<void(const TensorView&)>& after_copy) {
   static const std::byte no_piece{};  // non-null data for ranks that write none of a tensor
   try {
     // Only the bytes this rank will write: its slice, or its piece of a replicated tensor.
@@ -366,8 +365,7 @@ void AsyncSaver::take_fork_snapshot(Job& job) {
         nlohmann::json report = detail::write_shard_file(directory, job.step, job.views, rank, world, options_,
                                                          detail::PieceSource::rank_piece_only, bytes);
         sample();
-        return nlohmann::json{{"report", std::move(report)}, {"bytes", bytes}, {"private_bytes", peak_private}}
-            .dump();
+        return nlohmann::json{{"report", std::move(report)}, {"bytes", bytes}, {"private_bytes", peak_private}}.dump();
       };
       SnapshotProcess::child_main(ends[1], parent, prepare, write_shard);
     }
@@ -407,11 +405,8 @@ void AsyncSaver::run(std::stop_token stop) {
           return job.writer->write_shard(directory, bytes_written, comm_.rank());
         };
       }
-      result = detail::save_checkpoint_from(root_, job.step, job.views, job.metadata, comm_,
-                                            options_, inputs);
-      result->snapshot_bytes = job.writer ? job.writer->private_bytes
-                               : job.staged ? staging_.get_deleter().length
-                                            : 0;
+      result = detail::save_checkpoint_from(root_, job.step, job.views, job.metadata, comm_, options_, inputs);
+      result->snapshot_bytes = job.writer ? job.writer->private_bytes : job.staged ? staging_.get_deleter().length : 0;
     } catch (...) {
       error = std::current_exception();
     }

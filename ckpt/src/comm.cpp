@@ -10,9 +10,7 @@ class InProcessGroup::Member final : public Communicator {
   Member(InProcessGroup& group, int rank) : group_(group), rank_(rank) {}
   int rank() const override { return rank_; }
   int size() const override { return group_.size(); }
-  std::vector<std::string> allgather(std::string_view mine) override {
-    return group_.exchange(rank_, mine);
-  }
+  std::vector<std::string> allgather(std::string_view mine) override { return group_.exchange(rank_, mine); }
 
  private:
   InProcessGroup& group_;
@@ -29,8 +27,7 @@ std::string Communicator::broadcast(std::string_view mine) {
   return std::move(allgather(rank() == 0 ? mine : std::string_view()).at(0));
 }
 
-InProcessGroup::InProcessGroup(int world_size)
-    : world_size_(world_size), slots_(static_cast<std::size_t>(world_size)) {
+InProcessGroup::InProcessGroup(int world_size) : world_size_(world_size), slots_(static_cast<std::size_t>(world_size)) {
   if (world_size < 1) throw std::invalid_argument("InProcessGroup: world size must be >= 1");
   for (int rank = 0; rank < world_size; ++rank) {
     members_.push_back(std::make_unique<Member>(*this, rank));

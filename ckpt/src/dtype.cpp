@@ -14,11 +14,10 @@ struct DTypeRow {
   std::size_t size;
 };
 constexpr DTypeRow kRows[] = {
-    {DType::float16, "float16", 2}, {DType::bfloat16, "bfloat16", 2},
-    {DType::float32, "float32", 4}, {DType::float64, "float64", 8},
-    {DType::int8, "int8", 1},       {DType::int16, "int16", 2},
-    {DType::int32, "int32", 4},     {DType::int64, "int64", 8},
-    {DType::uint8, "uint8", 1},     {DType::boolean, "bool", 1},
+    {DType::float16, "float16", 2}, {DType::bfloat16, "bfloat16", 2}, {DType::float32, "float32", 4},
+    {DType::float64, "float64", 8}, {DType::int8, "int8", 1},         {DType::int16, "int16", 2},
+    {DType::int32, "int32", 4},     {DType::int64, "int64", 8},       {DType::uint8, "uint8", 1},
+    {DType::boolean, "bool", 1},
 };
 const DTypeRow& row(DType dtype) {
   for (const auto& r : kRows) {
@@ -58,8 +57,8 @@ TensorView TensorView::replicated(std::string name, DType dtype, Shape shape, co
   return view;
 }
 
-TensorView TensorView::sharded(std::string name, DType dtype, Shape global_shape, Shape offset,
-                               Shape extent, const void* data) {
+TensorView TensorView::sharded(std::string name, DType dtype, Shape global_shape, Shape offset, Shape extent,
+                               const void* data) {
   TensorView view;
   view.name = std::move(name);
   view.dtype = dtype;
@@ -81,8 +80,7 @@ TensorTarget TensorTarget::whole(std::string name, DType dtype, Shape shape, voi
   return target;
 }
 
-TensorTarget TensorTarget::box(std::string name, DType dtype, Shape offset, Shape extent,
-                               void* data) {
+TensorTarget TensorTarget::box(std::string name, DType dtype, Shape offset, Shape extent, void* data) {
   TensorTarget target;
   target.name = std::move(name);
   target.dtype = dtype;

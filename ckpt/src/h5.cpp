@@ -62,8 +62,7 @@ void Handle::close_checked(std::string_view what) {
 Handle dataspace(const Shape& shape) {
   if (shape.empty()) return make_space(H5Screate(H5S_SCALAR), "create scalar dataspace");
   std::vector<hsize_t> dims(shape.begin(), shape.end());
-  return make_space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
-                    "create dataspace");
+  return make_space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), "create dataspace");
 }
 
 Handle storage_type(DType dtype) {
@@ -141,33 +140,28 @@ void write_attr_string(hid_t obj, const char* name, std::string_view value) {
 
 void write_attr_i64(hid_t obj, const char* name, std::int64_t value) {
   Handle space = make_space(H5Screate(H5S_SCALAR), "create scalar dataspace");
-  Handle attr = make_attr(
-      H5Acreate2(obj, name, H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT),
-      fmt::format("create attribute {}", name));
+  Handle attr = make_attr(H5Acreate2(obj, name, H5T_STD_I64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT),
+                          fmt::format("create attribute {}", name));
   check(H5Awrite(attr.get(), H5T_NATIVE_INT64, &value), fmt::format("write attribute {}", name));
 }
 
 void write_attr_u64_array(hid_t obj, const char* name, const std::vector<std::uint64_t>& values,
                           const std::vector<hsize_t>& dims) {
   if (values.empty()) return;  // HDF5 attributes cannot have zero-sized dataspaces portably
-  Handle space = make_space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr),
-                            "create attribute dataspace");
-  Handle attr = make_attr(
-      H5Acreate2(obj, name, H5T_STD_U64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT),
-      fmt::format("create attribute {}", name));
-  check(H5Awrite(attr.get(), H5T_NATIVE_UINT64, values.data()),
-        fmt::format("write attribute {}", name));
+  Handle space =
+      make_space(H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), "create attribute dataspace");
+  Handle attr = make_attr(H5Acreate2(obj, name, H5T_STD_U64LE, space.get(), H5P_DEFAULT, H5P_DEFAULT),
+                          fmt::format("create attribute {}", name));
+  check(H5Awrite(attr.get(), H5T_NATIVE_UINT64, values.data()), fmt::format("write attribute {}", name));
 }
 
 void write_attr_i32_array(hid_t obj, const char* name, const std::vector<std::int32_t>& values) {
   if (values.empty()) return;
   const hsize_t dims[1] = {values.size()};
   Handle space = make_space(H5Screate_simple(1, dims, nullptr), "create attribute dataspace");
-  Handle attr = make_attr(
-      H5Acreate2(obj, name, H5T_STD_I32LE, space.get(), H5P_DEFAULT, H5P_DEFAULT),
-      fmt::format("create attribute {}", name));
-  check(H5Awrite(attr.get(), H5T_NATIVE_INT32, values.data()),
-        fmt::format("write attribute {}", name));
+  Handle attr = make_attr(H5Acreate2(obj, name, H5T_STD_I32LE, space.get(), H5P_DEFAULT, H5P_DEFAULT),
+                          fmt::format("create attribute {}", name));
+  check(H5Awrite(attr.get(), H5T_NATIVE_INT32, values.data()), fmt::format("write attribute {}", name));
 }
 
 bool has_attr(hid_t obj, const char* name) {

@@ -29,9 +29,8 @@ std::optional<Box> intersect(const Box& a, const Box& b);
 
 // Copies the sub-box `count` starting at src_start in a C-contiguous array of shape src_shape to
 // dst_start in a C-contiguous array of shape dst_shape.
-void copy_box(const std::byte* src, const Shape& src_shape, const Shape& src_start,
-              std::byte* dst, const Shape& dst_shape, const Shape& dst_start, const Shape& count,
-              std::size_t element_size);
+void copy_box(const std::byte* src, const Shape& src_shape, const Shape& src_start, std::byte* dst,
+              const Shape& dst_shape, const Shape& dst_start, const Shape& count, std::size_t element_size);
 
 // The part of a replicated tensor `rank` writes: an even split along the first dimension at
 // least world_size long (dimension 0 if none). nullopt if this rank writes nothing.
@@ -57,8 +56,7 @@ class Xxh3Stream {
 // chunk(start, count, byte_offset, byte_count) with a sub-box (start/count relative to the
 // box) whose bytes are [byte_offset, byte_offset + byte_count) of the box's bytes.
 void for_each_chunk(const Shape& extent, std::size_t element_size, std::uint64_t max_bytes,
-                    const std::function<void(const Shape&, const Shape&, std::uint64_t,
-                                             std::uint64_t)>& chunk);
+                    const std::function<void(const Shape&, const Shape&, std::uint64_t, std::uint64_t)>& chunk);
 
 // Overflow-checked arithmetic for sizes read from files (nullopt on overflow).
 std::optional<std::uint64_t> checked_add(std::uint64_t a, std::uint64_t b);

@@ -15,8 +15,8 @@
 namespace elastrun::ckpt {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
 using detail::Box;
+using nlohmann::json;
 
 struct Checkpoint::State {
   fs::path path;
@@ -24,8 +24,8 @@ struct Checkpoint::State {
   std::vector<TensorInfo> tensors;
   std::map<std::string, std::size_t> by_name;
   std::map<std::string, h5::Handle> open_shards;  // file name -> handle
-  std::set<std::string> verified;  // piece_key() of pieces whose hash matched
-  std::vector<std::byte> scratch;  // reused for whole-shard reads when verifying
+  std::set<std::string> verified;                 // piece_key() of pieces whose hash matched
+  std::vector<std::byte> scratch;                 // reused for whole-shard reads when verifying
 
   ~State() {
     h5::Lock lock(h5::library_mutex());  // H5Fclose of the cached shards
@@ -37,8 +37,8 @@ struct Checkpoint::State {
     if (it != open_shards.end()) return it->second.get();
     const fs::path shard_path = path / file_name;
     h5::Handle fapl = h5::file_access(0, 0, false);
-    h5::Handle file = h5::make_file(H5Fopen(shard_path.c_str(), H5F_ACC_RDONLY, fapl.get()),
-                                    "open shard " + shard_path.string());
+    h5::Handle file =
+        h5::make_file(H5Fopen(shard_path.c_str(), H5F_ACC_RDONLY, fapl.get()), "open shard " + shard_path.string());
     return open_shards.emplace(file_name, std::move(file)).first->second.get();
   }
 };
@@ -51,11 +51,9 @@ std::string piece_key(const ShardInfo& shard, const std::string& tensor) {
 
 std::string read_manifest_text(const fs::path& index_path) {
   h5::Handle fapl = h5::file_access(0, 0, false);
-  h5::Handle file = h5::make_file(H5Fopen(index_path.c_str(), H5F_ACC_RDONLY, fapl.get()),
-                                  "open index");
+  h5::Handle file = h5::make_file(H5Fopen(index_path.c_str(), H5F_ACC_RDONLY, fapl.get()), "open index");
   h5::Handle dataset = h5::make_dataset(
-      H5Dopen2(file.get(), std::string(detail::kManifestDataset).c_str(), H5P_DEFAULT),
-      "open manifest");
+      H5Dopen2(file.get(), std::string(detail::kManifestDataset).c_str(), H5P_DEFAULT), "open manifest");
   h5::Handle type = h5::make_type(H5Dget_type(dataset.get()), "manifest type");
   if (H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) != 0) {
     throw CheckpointError("manifest is not a fixed-length string");
@@ -67,8 +65,7 @@ std::string read_manifest_text(const fs::path& index_path) {
     throw CheckpointError(fmt::format("manifest size {} is inconsistent with the file size", size));
   }
   std::string text(size, '\0');
-  h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()),
-            "read manifest");
+  h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()), "read manifest");
   if (auto nul = text.find('\0'); nul != std::string::npos) text.resize(nul);
   return text;
 }
@@ -79,7 +76,7 @@ namespace {
 
 // Manifest validation: everything the reader later uses as a size, offset, index or path is
 // checked here, so damaged or crafted indexes give one error naming the tensor, never a crash.
-constexpr std::size_t kMaxRank = 32;                       // H5S_MAX_RANK
+constexpr std::size_t kMaxRank = 32;  // H5S_MAX_RANK
 constexpr std::uint64_t kMaxTensorBytes = 1ULL << 62;
 
 [[noreturn]] void bad(const std::string& what) { throw CheckpointError(what); }
@@ -169,26 +166,22 @@ TensorInfo parse_tensor(const json& t, int world, const std::set<std::string>& f
     shard.rank = static_cast<int>(rank);
     shard.offset = shape_field(s, "offset", where);
     shard.extent = shape_field(s, "extent", where);
-    shard.in_file_offset =
-        s.contains("in_file_offset") ? shape_field(s, "in_file_offset", where) : Shape(ndim, 0);
+    shard.in_file_offset = s.contains("in_file_offset") ? shape_field(s, "in_file_offset", where) : Shape(ndim, 0);
     shard.xxh3 = u64_field(s, "xxh3", where);
-    if (shard.offset.size() != ndim || shard.extent.size() != ndim ||
-        shard.in_file_offset.size() != ndim) {
-      bad(fmt::format("{} (file {}): offset/extent/in_file_offset need {} dimensions", where,
-                      shard.file, ndim));
+    if (shard.offset.size() != ndim || shard.extent.size() != ndim || shard.in_file_offset.size() != ndim) {
+      bad(fmt::format("{} (file {}): offset/extent/in_file_offset need {} dimensions", where, shard.file, ndim));
     }
     for (std::size_t d = 0; d < ndim; ++d) {
       const auto end = detail::checked_add(shard.offset[d], shard.extent[d]);
       if (!end || *end > info.shape[d] || !detail::checked_add(shard.in_file_offset[d], shard.extent[d])) {
-        bad(fmt::format("{} (file {}): offset {} + extent {} is outside shape {}", where,
-                        shard.file, detail::shape_string(shard.offset),
-                        detail::shape_string(shard.extent), detail::shape_string(info.shape)));
+        bad(fmt::format("{} (file {}): offset {} + extent {} is outside shape {}", where, shard.file,
+                        detail::shape_string(shard.offset), detail::shape_string(shard.extent),
+                        detail::shape_string(info.shape)));
       }
     }
     const auto next = detail::checked_add(covered, element_count(shard.extent));
     if (!next || *next > *count) {
-      bad(fmt::format("{}: shards hold more elements than shape {}", context,
-                      detail::shape_string(info.shape)));
+      bad(fmt::format("{}: shards hold more elements than shape {}", context, detail::shape_string(info.shape)));
     }
     covered = *next;
     info.shards.push_back(std::move(shard));
@@ -215,8 +208,7 @@ Checkpoint::Checkpoint(fs::path step_dir) : state_(std::make_unique<State>()) {
     }
     const std::uint64_t version = u64_field(m, "format_version", "manifest");
     if (version > static_cast<std::uint64_t>(kFormatVersion)) {
-      bad(fmt::format("format version {} is newer than this reader ({}); upgrade elastrun",
-                      version, kFormatVersion));
+      bad(fmt::format("format version {} is newer than this reader ({}); upgrade elastrun", version, kFormatVersion));
     }
     (void)u64_field(m, "step", "manifest");
     const std::uint64_t world = u64_field(m, "world_size", "manifest");
@@ -247,9 +239,10 @@ Checkpoint::Checkpoint(fs::path step_dir) : state_(std::make_unique<State>()) {
       state_->tensors.push_back(std::move(info));
     }
   } catch (const std::exception& e) {
-    throw CorruptCheckpointError(fmt::format("{}: unreadable checkpoint index ({}); restore will "
-                                             "use an older step",
-                                             index_path.string(), e.what()));
+    throw CorruptCheckpointError(
+        fmt::format("{}: unreadable checkpoint index ({}); restore will "
+                    "use an older step",
+                    index_path.string(), e.what()));
   }
 }
 
@@ -267,8 +260,7 @@ const std::vector<TensorInfo>& Checkpoint::tensors() const { return state_->tens
 const TensorInfo& Checkpoint::tensor(const std::string& name) const {
   auto it = state_->by_name.find(name);
   if (it == state_->by_name.end()) {
-    throw CheckpointError(fmt::format("{}: no tensor named '{}' in this checkpoint",
-                                      state_->path.string(), name));
+    throw CheckpointError(fmt::format("{}: no tensor named '{}' in this checkpoint", state_->path.string(), name));
   }
   return state_->tensors[it->second];
 }
@@ -288,9 +280,10 @@ void Checkpoint::check_files() const {
     }
     const auto expected = f.at("bytes").get<std::uint64_t>();
     if (static_cast<std::uint64_t>(info.st_size) != expected) {
-      throw CorruptCheckpointError(fmt::format("{}: shard file has {} bytes, expected {} "
-                                               "(truncated or replaced)",
-                                               file.string(), info.st_size, expected));
+      throw CorruptCheckpointError(
+          fmt::format("{}: shard file has {} bytes, expected {} "
+                      "(truncated or replaced)",
+                      file.string(), info.st_size, expected));
     }
   }
 }
@@ -298,18 +291,16 @@ void Checkpoint::check_files() const {
 namespace {
 
 // Opens the dataset holding `shard` and checks that its dataspace contains the piece.
-h5::Handle open_piece(hid_t file, const TensorInfo& tensor, const ShardInfo& shard,
-                      h5::Handle& file_space) {
-  h5::Handle dataset = h5::make_dataset(H5Dopen2(file, tensor.name.c_str(), H5P_DEFAULT),
-                                        "open dataset");
+h5::Handle open_piece(hid_t file, const TensorInfo& tensor, const ShardInfo& shard, h5::Handle& file_space) {
+  h5::Handle dataset = h5::make_dataset(H5Dopen2(file, tensor.name.c_str(), H5P_DEFAULT), "open dataset");
   {
     h5::Handle stored = h5::make_type(H5Dget_type(dataset.get()), "get dataset type");
     const std::size_t stored_size = H5Tget_size(stored.get());
     if (stored_size != dtype_size(tensor.dtype)) {
-      throw CheckpointError(fmt::format("dataset elements are {} bytes but the manifest says {} "
-                                        "({} bytes)",
-                                        stored_size, dtype_name(tensor.dtype),
-                                        dtype_size(tensor.dtype)));
+      throw CheckpointError(
+          fmt::format("dataset elements are {} bytes but the manifest says {} "
+                      "({} bytes)",
+                      stored_size, dtype_name(tensor.dtype), dtype_size(tensor.dtype)));
     }
   }
   file_space = h5::make_space(H5Dget_space(dataset.get()), "get dataspace");
@@ -326,9 +317,10 @@ h5::Handle open_piece(hid_t file, const TensorInfo& tensor, const ShardInfo& sha
     holds = shard.in_file_offset[d] + shard.extent[d] <= dims[d];
   }
   if (!holds) {
-    throw CheckpointError(fmt::format("dataset shape [{}] does not hold the piece of extent {} "
-                                      "the manifest records",
-                                      fmt::join(dims, ", "), detail::shape_string(shard.extent)));
+    throw CheckpointError(
+        fmt::format("dataset shape [{}] does not hold the piece of extent {} "
+                    "the manifest records",
+                    fmt::join(dims, ", "), detail::shape_string(shard.extent)));
   }
   return dataset;
 }
@@ -346,8 +338,7 @@ std::uint64_t hash_stored_piece(hid_t file, const TensorInfo& tensor, const Shar
   const std::size_t ndim = tensor.shape.size();
   if (ndim == 0) {
     scratch.resize(element_size);
-    h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, scratch.data()),
-              "read scalar");
+    h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, scratch.data()), "read scalar");
     stream.update(scratch.data(), element_size);
     return stream.digest();
   }
@@ -359,15 +350,12 @@ std::uint64_t hash_stored_piece(hid_t file, const TensorInfo& tensor, const Shar
           start[d] = shard.in_file_offset[d] + chunk_start[d];
           count[d] = chunk_count[d];
         }
-        h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr,
-                                      count.data(), nullptr),
+        h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr),
                   "select piece chunk");
         const hsize_t elements = bytes / element_size;
-        h5::Handle memory_space =
-            h5::make_space(H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
+        h5::Handle memory_space = h5::make_space(H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
         scratch.resize(std::max<std::size_t>(scratch.size(), bytes));
-        h5::check(H5Dread(dataset.get(), type.get(), memory_space.get(), file_space.get(),
-                          H5P_DEFAULT, scratch.data()),
+        h5::check(H5Dread(dataset.get(), type.get(), memory_space.get(), file_space.get(), H5P_DEFAULT, scratch.data()),
                   "read piece");
         stream.update(scratch.data(), bytes);
       });
@@ -387,20 +375,18 @@ std::vector<std::string> Checkpoint::verify_all() {
   for (const auto& tensor : state_->tensors) {
     for (const auto& shard : tensor.shards) {
       try {
-        const std::uint64_t hash =
-            hash_stored_piece(state_->shard(shard.file), tensor, shard, state_->scratch);
+        const std::uint64_t hash = hash_stored_piece(state_->shard(shard.file), tensor, shard, state_->scratch);
         if (hash != shard.xxh3) {
-          problems.push_back(fmt::format("{}: tensor '{}' content hash {} != recorded {} (data "
-                                         "corrupted)",
-                                         (state_->path / shard.file).string(), tensor.name,
-                                         detail::hex64(hash), detail::hex64(shard.xxh3)));
+          problems.push_back(fmt::format(
+              "{}: tensor '{}' content hash {} != recorded {} (data "
+              "corrupted)",
+              (state_->path / shard.file).string(), tensor.name, detail::hex64(hash), detail::hex64(shard.xxh3)));
         } else {
           state_->verified.insert(piece_key(shard, tensor.name));
         }
       } catch (const std::exception& e) {
-        problems.push_back(fmt::format("{}: tensor '{}' unreadable: {}",
-                                       (state_->path / shard.file).string(), tensor.name,
-                                       e.what()));
+        problems.push_back(
+            fmt::format("{}: tensor '{}' unreadable: {}", (state_->path / shard.file).string(), tensor.name, e.what()));
       }
     }
   }
@@ -411,25 +397,25 @@ void Checkpoint::check_read(const TensorTarget& target, const ReadOptions& optio
   const TensorInfo& tensor = this->tensor(target.name);
   const std::size_t ndim = tensor.shape.size();
   if (target.dtype != tensor.dtype) {
-    throw CheckpointError(fmt::format("{}: tensor '{}' is {} but the target is {}; convert after "
-                                      "loading",
-                                      state_->path.string(), target.name,
-                                      dtype_name(tensor.dtype), dtype_name(target.dtype)));
+    throw CheckpointError(
+        fmt::format("{}: tensor '{}' is {} but the target is {}; convert after "
+                    "loading",
+                    state_->path.string(), target.name, dtype_name(tensor.dtype), dtype_name(target.dtype)));
   }
   if (target.offset.size() != ndim || target.extent.size() != ndim) {
-    throw CheckpointError(fmt::format("{}: tensor '{}' has shape {} but the target box has {} "
-                                      "dimensions",
-                                      state_->path.string(), target.name,
-                                      detail::shape_string(tensor.shape), target.extent.size()));
+    throw CheckpointError(
+        fmt::format("{}: tensor '{}' has shape {} but the target box has {} "
+                    "dimensions",
+                    state_->path.string(), target.name, detail::shape_string(tensor.shape), target.extent.size()));
   }
   for (std::size_t d = 0; d < ndim; ++d) {
     const auto end = detail::checked_add(target.offset[d], target.extent[d]);
     if (!end || *end > tensor.shape[d]) {
-      throw CheckpointError(fmt::format("{}: target box offset {} extent {} is outside tensor "
-                                        "'{}' of shape {}",
-                                        state_->path.string(), detail::shape_string(target.offset),
-                                        detail::shape_string(target.extent), target.name,
-                                        detail::shape_string(tensor.shape)));
+      throw CheckpointError(
+          fmt::format("{}: target box offset {} extent {} is outside tensor "
+                      "'{}' of shape {}",
+                      state_->path.string(), detail::shape_string(target.offset), detail::shape_string(target.extent),
+                      target.name, detail::shape_string(tensor.shape)));
     }
   }
   if (target.bytes() == 0) return;
@@ -453,15 +439,16 @@ void Checkpoint::check_read(const TensorTarget& target, const ReadOptions& optio
       }
       hash = hash_stored_piece(file, tensor, shard, state_->scratch);
     } catch (const std::exception& e) {
-      throw CorruptCheckpointError(fmt::format("{}: cannot read tensor '{}' ({}); restore will "
-                                               "use an older step",
-                                               shard_path.string(), tensor.name, e.what()));
+      throw CorruptCheckpointError(
+          fmt::format("{}: cannot read tensor '{}' ({}); restore will "
+                      "use an older step",
+                      shard_path.string(), tensor.name, e.what()));
     }
     if (hash != shard.xxh3) {
-      throw CorruptCheckpointError(fmt::format(
-          "{}: tensor '{}' content hash {} != recorded {}; the shard is corrupted, restore "
-          "will use an older step",
-          shard_path.string(), tensor.name, detail::hex64(hash), detail::hex64(shard.xxh3)));
+      throw CorruptCheckpointError(
+          fmt::format("{}: tensor '{}' content hash {} != recorded {}; the shard is corrupted, restore "
+                      "will use an older step",
+                      shard_path.string(), tensor.name, detail::hex64(hash), detail::hex64(shard.xxh3)));
     }
     state_->verified.insert(key);
   }
@@ -490,28 +477,27 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
       h5::Handle dataset = open_piece(file, tensor, shard, file_space);
       h5::Handle type = h5::storage_type(tensor.dtype);
       if (ndim == 0) {
-        h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, target.data),
-                  "read scalar");
+        h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, target.data), "read scalar");
         continue;
       }
       std::vector<hsize_t> file_start(ndim);
       for (std::size_t d = 0; d < ndim; ++d) file_start[d] = shard.in_file_offset[d] + in_shard[d];
       const std::vector<hsize_t> count(overlap->extent.begin(), overlap->extent.end());
-      h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, file_start.data(), nullptr,
-                                    count.data(), nullptr),
-                "select shard hyperslab");
+      h5::check(
+          H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, file_start.data(), nullptr, count.data(), nullptr),
+          "select shard hyperslab");
       h5::Handle memory_space = h5::dataspace(target.extent);
       const std::vector<hsize_t> memory_start(in_target.begin(), in_target.end());
-      h5::check(H5Sselect_hyperslab(memory_space.get(), H5S_SELECT_SET, memory_start.data(),
-                                    nullptr, count.data(), nullptr),
-                "select target hyperslab");
-      h5::check(H5Dread(dataset.get(), type.get(), memory_space.get(), file_space.get(),
-                        H5P_DEFAULT, target.data),
+      h5::check(
+          H5Sselect_hyperslab(memory_space.get(), H5S_SELECT_SET, memory_start.data(), nullptr, count.data(), nullptr),
+          "select target hyperslab");
+      h5::check(H5Dread(dataset.get(), type.get(), memory_space.get(), file_space.get(), H5P_DEFAULT, target.data),
                 "read hyperslab");
     } catch (const std::exception& e) {
-      throw CorruptCheckpointError(fmt::format("{}: cannot read tensor '{}' ({}); restore will "
-                                               "use an older step",
-                                               shard_path.string(), tensor.name, e.what()));
+      throw CorruptCheckpointError(
+          fmt::format("{}: cannot read tensor '{}' ({}); restore will "
+                      "use an older step",
+                      shard_path.string(), tensor.name, e.what()));
     }
   }
 }
@@ -526,7 +512,8 @@ struct RankAttempt {
 
   // Invalid UTF-8 in a message (a damaged file's bytes) is replaced, never thrown about.
   std::string encode() const {
-    return json{{"outcome", static_cast<int>(outcome)}, {"why", why}}.dump(-1, ' ', false, json::error_handler_t::replace);
+    return json{{"outcome", static_cast<int>(outcome)}, {"why", why}}.dump(-1, ' ', false,
+                                                                           json::error_handler_t::replace);
   }
   static RankAttempt decode(const std::string& text) {
     const auto j = json::parse(text);
@@ -569,15 +556,13 @@ RestoreVote decide(const std::vector<std::string>& attempts, const fs::path& pat
   for (std::size_t r = 0; r < attempts.size(); ++r) {
     const auto a = RankAttempt::decode(attempts[r]);
     switch (a.outcome) {
-      case RankAttempt::Outcome::Ok:
-        continue;
+      case RankAttempt::Outcome::Ok: continue;
       case RankAttempt::Outcome::Error:
         // A caller mistake (unknown tensor, wrong dtype): older steps would not fix it.
-        return {RestoreVote::Action::Fail, {},
+        return {RestoreVote::Action::Fail,
+                {},
                 fmt::format("restore from {} failed on rank {}: {}", path.string(), r, a.why)};
-      case RankAttempt::Outcome::Corrupt:
-        vote.skipped.push_back(fmt::format("rank {}: {}", r, a.why));
-        break;
+      case RankAttempt::Outcome::Corrupt: vote.skipped.push_back(fmt::format("rank {}: {}", r, a.why)); break;
     }
   }
   if (!vote.skipped.empty()) vote.action = RestoreVote::Action::Skip;
@@ -586,8 +571,7 @@ RestoreVote decide(const std::vector<std::string>& attempts, const fs::path& pat
 
 }  // namespace
 
-std::optional<RestoreResult> restore_latest(const fs::path& root,
-                                            std::span<const TensorTarget> targets,
+std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<const TensorTarget> targets,
                                             Communicator& comm, const RestoreOptions& options) {
   // Everyone tries the same candidates in the same order: rank 0's listing.
   std::string listing;
@@ -596,8 +580,7 @@ std::optional<RestoreResult> restore_latest(const fs::path& root,
     for (const auto& entry : list_steps(root)) steps.push_back(entry.step);
     listing = steps.dump();
   }
-  std::vector<std::uint64_t> candidates =
-      json::parse(comm.broadcast(listing)).get<std::vector<std::uint64_t>>();
+  std::vector<std::uint64_t> candidates = json::parse(comm.broadcast(listing)).get<std::vector<std::uint64_t>>();
   std::reverse(candidates.begin(), candidates.end());
   if (options.max_attempts > 0 && candidates.size() > static_cast<std::size_t>(options.max_attempts)) {
     candidates.resize(static_cast<std::size_t>(options.max_attempts));
@@ -653,10 +636,10 @@ std::optional<RestoreResult> restore_latest(const fs::path& root,
     }
   }
   if (targets_touched) {
-    throw CheckpointError(fmt::format(
-        "restore failed: a step verified but could not be copied ({}) and no older step "
-        "loaded; the targets are partially overwritten",
-        last_copy_failure));
+    throw CheckpointError(
+        fmt::format("restore failed: a step verified but could not be copied ({}) and no older step "
+                    "loaded; the targets are partially overwritten",
+                    last_copy_failure));
   }
   return std::nullopt;
 }

@@ -36,14 +36,13 @@ std::vector<std::string> MpiCommunicator::allgather(std::string_view mine) {
     total += lengths[i];
   }
   std::string gathered(static_cast<std::size_t>(total), '\0');
-  check_mpi(MPI_Allgatherv(mine.data(), my_length, MPI_CHAR, gathered.data(), lengths.data(),
-                           displacements.data(), MPI_CHAR, comm_),
+  check_mpi(MPI_Allgatherv(mine.data(), my_length, MPI_CHAR, gathered.data(), lengths.data(), displacements.data(),
+                           MPI_CHAR, comm_),
             "MPI_Allgatherv of manifests");
   std::vector<std::string> result;
   result.reserve(lengths.size());
   for (std::size_t i = 0; i < lengths.size(); ++i) {
-    result.push_back(gathered.substr(static_cast<std::size_t>(displacements[i]),
-                                     static_cast<std::size_t>(lengths[i])));
+    result.push_back(gathered.substr(static_cast<std::size_t>(displacements[i]), static_cast<std::size_t>(lengths[i])));
   }
   return result;
 }
@@ -51,8 +50,7 @@ std::vector<std::string> MpiCommunicator::allgather(std::string_view mine) {
 std::vector<std::string> MpiCommunicator::gather(std::string_view mine) {
   const int my_length = static_cast<int>(mine.size());
   std::vector<int> lengths(rank_ == 0 ? static_cast<std::size_t>(size_) : 0);
-  check_mpi(MPI_Gather(&my_length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, comm_),
-            "MPI_Gather of message lengths");
+  check_mpi(MPI_Gather(&my_length, 1, MPI_INT, lengths.data(), 1, MPI_INT, 0, comm_), "MPI_Gather of message lengths");
   std::vector<int> displacements(lengths.size());
   long long total = 0;
   for (std::size_t i = 0; i < lengths.size(); ++i) {
@@ -63,14 +61,13 @@ std::vector<std::string> MpiCommunicator::gather(std::string_view mine) {
     throw CheckpointError("MPI_Gatherv: the ranks' messages exceed 2 GiB");
   }
   std::string gathered(static_cast<std::size_t>(total), '\0');
-  check_mpi(MPI_Gatherv(mine.data(), my_length, MPI_CHAR, gathered.data(), lengths.data(),
-                        displacements.data(), MPI_CHAR, 0, comm_),
+  check_mpi(MPI_Gatherv(mine.data(), my_length, MPI_CHAR, gathered.data(), lengths.data(), displacements.data(),
+                        MPI_CHAR, 0, comm_),
             "MPI_Gatherv of messages");
   std::vector<std::string> result;
   result.reserve(lengths.size());
   for (std::size_t i = 0; i < lengths.size(); ++i) {
-    result.push_back(gathered.substr(static_cast<std::size_t>(displacements[i]),
-                                     static_cast<std::size_t>(lengths[i])));
+    result.push_back(gathered.substr(static_cast<std::size_t>(displacements[i]), static_cast<std::size_t>(lengths[i])));
   }
   return result;
 }

@@ -28,9 +28,8 @@ struct Declaration {
 
 // Plan round: every rank learns every tensor (collective dataset creation needs identical calls
 // on all ranks) and every rank's validation error, so all ranks fail or proceed together.
-std::map<std::string, Declaration> agree_on_tensors(std::span<const TensorView> tensors,
-                                                    Communicator& comm, bool have_mpi,
-                                                    const std::string* local_error) {
+std::map<std::string, Declaration> agree_on_tensors(std::span<const TensorView> tensors, Communicator& comm,
+                                                    bool have_mpi, const std::string* local_error) {
   json mine = {{"error", ""}, {"mpi", have_mpi}, {"tensors", json::array()}};
   try {
     if (local_error) throw CheckpointError(*local_error);
@@ -52,20 +51,20 @@ std::map<std::string, Declaration> agree_on_tensors(std::span<const TensorView> 
       throw CheckpointError(fmt::format("rank {}: {}", r, theirs["error"].get<std::string>()));
     }
     if (!theirs["mpi"].get<bool>()) {
-      throw CheckpointError(fmt::format("rank {}: the shared-file layout needs an "
-                                        "MpiCommunicator; use Layout::file_per_rank otherwise",
-                                        r));
+      throw CheckpointError(
+          fmt::format("rank {}: the shared-file layout needs an "
+                      "MpiCommunicator; use Layout::file_per_rank otherwise",
+                      r));
     }
     for (const auto& t : theirs["tensors"]) {
       Declaration declaration{t["dtype"], t["shape"].get<Shape>(), t["placement"]};
       auto [it, inserted] = plan.try_emplace(t["name"].get<std::string>(), declaration);
-      if (!inserted && (it->second.dtype != declaration.dtype ||
-                        it->second.shape != declaration.shape ||
+      if (!inserted && (it->second.dtype != declaration.dtype || it->second.shape != declaration.shape ||
                         it->second.placement != declaration.placement)) {
-        throw CheckpointError(fmt::format("tensor '{}': rank {} declares {} {} {} unlike another "
-                                          "rank; all ranks must agree",
-                                          it->first, r, declaration.dtype,
-                                          shape_string(declaration.shape), declaration.placement));
+        throw CheckpointError(
+            fmt::format("tensor '{}': rank {} declares {} {} {} unlike another "
+                        "rank; all ranks must agree",
+                        it->first, r, declaration.dtype, shape_string(declaration.shape), declaration.placement));
       }
     }
   }
@@ -77,8 +76,7 @@ std::map<std::string, Declaration> agree_on_tensors(std::span<const TensorView> 
 // rank failed, every rank throws the same error naming the failed ranks.
 class PhaseAgreement {
  public:
-  PhaseAgreement(MPI_Comm comm, Communicator& names, int rank)
-      : comm_(comm), names_(names), rank_(rank) {}
+  PhaseAgreement(MPI_Comm comm, Communicator& names, int rank) : comm_(comm), names_(names), rank_(rank) {}
 
   template <typename Step>
   void run(std::string_view point, Step&& step) {
@@ -99,8 +97,7 @@ class PhaseAgreement {
     int any = 0;
     const int status = MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, comm_);
     if (status != MPI_SUCCESS) {
-      throw CheckpointError(fmt::format("rank {}: MPI_Allreduce of the {} status failed", rank_,
-                                        phase));
+      throw CheckpointError(fmt::format("rank {}: MPI_Allreduce of the {} status failed", rank_, phase));
     }
     if (any == 0) return;
     const std::vector<std::string> errors = names_.allgather(error_);
@@ -108,8 +105,7 @@ class PhaseAgreement {
     for (std::size_t r = 0; r < errors.size(); ++r) {
       if (!errors[r].empty()) failed.push_back(fmt::format("rank {}: {}", r, errors[r]));
     }
-    throw CheckpointError(fmt::format("shared-file save failed during {} ({})", phase,
-                                      fmt::join(failed, "; ")));
+    throw CheckpointError(fmt::format("shared-file save failed during {} ({})", phase, fmt::join(failed, "; ")));
   }
 
  private:
@@ -126,8 +122,7 @@ class PhaseAgreement {
 class WritebackHint {
  public:
   // Off without fsync: the early writeback only exists to shorten the fsync.
-  WritebackHint(const fs::path& path, bool enabled)
-      : fd_(enabled ? ::open(path.c_str(), O_RDONLY | O_CLOEXEC) : -1) {}
+  WritebackHint(const fs::path& path, bool enabled) : fd_(enabled ? ::open(path.c_str(), O_RDONLY | O_CLOEXEC) : -1) {}
   ~WritebackHint() {
     if (fd_ >= 0) (void)::close(fd_);  // read-only descriptor: nothing to report on close
   }
@@ -146,8 +141,7 @@ class WritebackHint {
     }
     const std::uint64_t begin = address + first * element_size;
     const std::uint64_t length = (last - first + 1) * element_size;
-    if (::sync_file_range(fd_, static_cast<off64_t>(begin), static_cast<off64_t>(length),
-                          SYNC_FILE_RANGE_WRITE) != 0) {
+    if (::sync_file_range(fd_, static_cast<off64_t>(begin), static_cast<off64_t>(length), SYNC_FILE_RANGE_WRITE) != 0) {
       (void)::close(fd_);
       fd_ = -1;
     }
@@ -159,13 +153,11 @@ class WritebackHint {
 
 }  // namespace
 
-json write_shared_file(const fs::path& directory, std::uint64_t step,
-                       std::span<const TensorView> tensors, Communicator& comm,
-                       const SaveOptions& options, PieceSource source,
-                       std::uint64_t& bytes_written, const std::string* local_error) {
+json write_shared_file(const fs::path& directory, std::uint64_t step, std::span<const TensorView> tensors,
+                       Communicator& comm, const SaveOptions& options, PieceSource source, std::uint64_t& bytes_written,
+                       const std::string* local_error) {
   auto* mpi = dynamic_cast<MpiCommunicator*>(&comm);
-  const std::map<std::string, Declaration> plan =
-      agree_on_tensors(tensors, comm, mpi != nullptr, local_error);
+  const std::map<std::string, Declaration> plan = agree_on_tensors(tensors, comm, mpi != nullptr, local_error);
   std::map<std::string, const TensorView*> local;
   for (const auto& t : tensors) local[t.name] = &t;
 
@@ -189,18 +181,15 @@ json write_shared_file(const fs::path& directory, std::uint64_t step,
       h5::check(H5Pset_all_coll_metadata_ops(fapl.get(), 1), "enable collective metadata reads");
       h5::check(H5Pset_coll_metadata_write(fapl.get(), 1), "enable collective metadata writes");
       if (options.alignment > 1) {
-        h5::check(H5Pset_alignment(fapl.get(), options.alignment_threshold, options.alignment),
-                  "set alignment");
+        h5::check(H5Pset_alignment(fapl.get(), options.alignment_threshold, options.alignment), "set alignment");
       }
-      h5::check(H5Pset_file_locking(fapl.get(), options.file_locking ? 1 : 0, 1),
-                "set file locking");
+      h5::check(H5Pset_file_locking(fapl.get(), options.file_locking ? 1 : 0, 1), "set file locking");
       // Without aggregation every rank writes its own pieces independently (H5P_DEFAULT
       // transfers): no collective call, and no agreement, per tensor or chunk. Two-phase
       // aggregation needs collective transfers.
       if (aggregate) {
         dxpl = h5::make_plist(H5Pcreate(H5P_DATASET_XFER), "create transfer list");
-        h5::check(H5Pset_dxpl_mpio(dxpl.get(), H5FD_MPIO_COLLECTIVE),
-                  "request collective transfers");
+        h5::check(H5Pset_dxpl_mpio(dxpl.get(), H5FD_MPIO_COLLECTIVE), "request collective transfers");
       }
       lcpl = h5::link_create_intermediate();
       dcpl = h5::contiguous_no_fill();
@@ -239,8 +228,7 @@ json write_shared_file(const fs::path& directory, std::uint64_t step,
         c.type = h5::storage_type(c.dtype);
         h5::Handle global_space = h5::dataspace(declaration.shape);
         c.dataset = h5::make_dataset(
-            H5Dcreate2(file.get(), name.c_str(), c.type.get(), global_space.get(), lcpl.get(),
-                       dcpl.get(), H5P_DEFAULT),
+            H5Dcreate2(file.get(), name.c_str(), c.type.get(), global_space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT),
             fmt::format("create dataset {} in {}", name, file_path.string()));
         h5::write_attr_string(c.dataset.get(), "dtype", declaration.dtype);
         h5::write_attr_string(c.dataset.get(), "placement", declaration.placement);
@@ -272,8 +260,7 @@ json write_shared_file(const fs::path& directory, std::uint64_t step,
         if (view) report["tensors"].push_back(std::move(entry));
         continue;
       }
-      const std::uint64_t piece_bytes =
-          piece ? element_count(piece->extent) * element_size : 0;
+      const std::uint64_t piece_bytes = piece ? element_count(piece->extent) * element_size : 0;
       const std::byte* bytes = &no_data;
       std::uint64_t hash = 0;
       if (aggregate) {
@@ -288,9 +275,9 @@ json write_shared_file(const fs::path& directory, std::uint64_t step,
             if (!declaration.shape.empty()) {
               const std::vector<hsize_t> start(piece->offset.begin(), piece->offset.end());
               const std::vector<hsize_t> count(piece->extent.begin(), piece->extent.end());
-              h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(),
-                                            nullptr, count.data(), nullptr),
-                        "select piece of " + name);
+              h5::check(
+                  H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr),
+                  "select piece of " + name);
             }
           } else {
             const hsize_t one[1] = {1};
@@ -302,8 +289,7 @@ json write_shared_file(const fs::path& directory, std::uint64_t step,
         phases.agree(fmt::format("preparation of '{}'", name));
         // Collective transfer: every rank calls it (returns on every rank, possibly failed).
         phases.run("shared.write", [&] {
-          h5::check(H5Dwrite(c.dataset.get(), c.type.get(), memory_space.get(), file_space.get(),
-                             dxpl.get(), bytes),
+          h5::check(H5Dwrite(c.dataset.get(), c.type.get(), memory_space.get(), file_space.get(), dxpl.get(), bytes),
                     fmt::format("collective write of {} to {}", name, file_path.string()));
           if (piece) {
             hash = xxh3(bytes, piece_bytes);
@@ -319,20 +305,16 @@ json write_shared_file(const fs::path& directory, std::uint64_t step,
         phases.run("shared.write", [&] {
           if (piece) {
             // independent transfers; each run's writeback starts right after it
-            hash = write_hashed_runs(c.dataset.get(), c.type.get(), *piece, element_size, bytes,
-                                     /*whole_dataset=*/false,
-                                     fmt::format("write of {} to {}", name, file_path.string()),
-                                     [&](const Box& run) {
-                                       writeback.start(c.address, declaration.shape, run, element_size);
-                                     });
+            hash = write_hashed_runs(
+                c.dataset.get(), c.type.get(), *piece, element_size, bytes,
+                /*whole_dataset=*/false, fmt::format("write of {} to {}", name, file_path.string()),
+                [&](const Box& run) { writeback.start(c.address, declaration.shape, run, element_size); });
           }
         });
       }
       if (piece) {
-        entry["pieces"].push_back({{"offset", piece->offset},
-                                   {"extent", piece->extent},
-                                   {"in_file_offset", piece->offset},
-                                   {"xxh3", hash}});
+        entry["pieces"].push_back(
+            {{"offset", piece->offset}, {"extent", piece->extent}, {"in_file_offset", piece->offset}, {"xxh3", hash}});
         written += piece_bytes;
       }
       if (view) report["tensors"].push_back(std::move(entry));

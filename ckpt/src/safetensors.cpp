@@ -34,16 +34,14 @@ void export_safetensors(Checkpoint& checkpoint, const std::filesystem::path& out
                             {"user_metadata", checkpoint.metadata().dump()}};
   std::uint64_t position = 0;
   for (const auto& t : checkpoint.tensors()) {
-    header[t.name] = {{"dtype", safetensors_dtype(t.dtype)},
-                      {"shape", t.shape},
-                      {"data_offsets", {position, position + t.bytes()}}};
+    header[t.name] = {
+        {"dtype", safetensors_dtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {position, position + t.bytes()}}};
     position += t.bytes();
   }
   std::string header_text = header.dump();
   header_text.append((8 - header_text.size() % 8) % 8, ' ');  // keeps the data 8-byte aligned
 
-  const std::filesystem::path temporary =
-      output.string() + ".tmp-" + detail::generation_token();
+  const std::filesystem::path temporary = output.string() + ".tmp-" + detail::generation_token();
   try {
     std::ofstream stream(temporary, std::ios::binary | std::ios::trunc);
     if (!stream) throw CheckpointError("cannot create " + temporary.string());
@@ -56,8 +54,7 @@ void export_safetensors(Checkpoint& checkpoint, const std::filesystem::path& out
     for (const auto& t : checkpoint.tensors()) {
       buffer.resize(t.bytes());
       checkpoint.read(TensorTarget::whole(t.name, t.dtype, t.shape, buffer.data()));
-      stream.write(reinterpret_cast<const char*>(buffer.data()),
-                   static_cast<std::streamsize>(buffer.size()));
+      stream.write(reinterpret_cast<const char*>(buffer.data()), static_cast<std::streamsize>(buffer.size()));
     }
     stream.close();
     if (!stream) throw CheckpointError("write to " + temporary.string() + " failed (disk full?)");

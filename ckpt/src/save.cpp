@@ -16,8 +16,8 @@
 namespace elastrun::ckpt {
 
 namespace fs = std::filesystem;
-using nlohmann::json;
 using detail::Box;
+using nlohmann::json;
 
 std::optional<Box> detail::rank_piece(const TensorView& t, int rank, int world) {
   if (t.placement == Placement::sharded) {
@@ -27,10 +27,9 @@ std::optional<Box> detail::rank_piece(const TensorView& t, int rank, int world) 
   return detail::replicated_piece(t.global_shape, rank, world);
 }
 
-const std::byte* detail::piece_data(const TensorView& t, const Box& piece,
-                                    std::vector<std::byte>& gather_buffer, PieceSource source) {
-  if (t.placement == Placement::sharded || t.global_shape.empty() ||
-      source == PieceSource::rank_piece_only) {
+const std::byte* detail::piece_data(const TensorView& t, const Box& piece, std::vector<std::byte>& gather_buffer,
+                                    PieceSource source) {
+  if (t.placement == Placement::sharded || t.global_shape.empty() || source == PieceSource::rank_piece_only) {
     return t.data;
   }
   // A replicated piece differs from the whole tensor in one dimension (`split`); it is
@@ -48,8 +47,8 @@ const std::byte* detail::piece_data(const TensorView& t, const Box& piece,
     return t.data + piece.offset[split] * stride_bytes;
   }
   gather_buffer.resize(element_count(piece.extent) * element_size);
-  detail::copy_box(t.data, t.global_shape, piece.offset, gather_buffer.data(), piece.extent,
-                   Shape(ndim, 0), piece.extent, element_size);
+  detail::copy_box(t.data, t.global_shape, piece.offset, gather_buffer.data(), piece.extent, Shape(ndim, 0),
+                   piece.extent, element_size);
   return gather_buffer.data();
 }
 
@@ -60,26 +59,23 @@ void detail::validate_tensors(std::span<const TensorView> tensors) {
       throw CheckpointError(fmt::format("tensor '{}': {}; rename it", t.name, reason));
     }
     if (!names.insert(t.name).second) {
-      throw CheckpointError(fmt::format("tensor '{}' is passed twice to save; pass it once",
-                                        t.name));
+      throw CheckpointError(fmt::format("tensor '{}' is passed twice to save; pass it once", t.name));
     }
     const std::size_t ndim = t.global_shape.size();
     if (t.slice_offset.size() != ndim || t.slice_extent.size() != ndim) {
-      throw CheckpointError(fmt::format(
-          "tensor '{}': slice offset/extent need {} dimensions like the global shape {}", t.name,
-          ndim, detail::shape_string(t.global_shape)));
+      throw CheckpointError(fmt::format("tensor '{}': slice offset/extent need {} dimensions like the global shape {}",
+                                        t.name, ndim, detail::shape_string(t.global_shape)));
     }
     for (std::size_t d = 0; d < ndim; ++d) {
       if (t.slice_offset[d] + t.slice_extent[d] > t.global_shape[d]) {
-        throw CheckpointError(fmt::format(
-            "tensor '{}': slice offset {} extent {} exceeds global shape {} in dimension {}",
-            t.name, detail::shape_string(t.slice_offset), detail::shape_string(t.slice_extent),
-            detail::shape_string(t.global_shape), d));
+        throw CheckpointError(
+            fmt::format("tensor '{}': slice offset {} extent {} exceeds global shape {} in dimension {}", t.name,
+                        detail::shape_string(t.slice_offset), detail::shape_string(t.slice_extent),
+                        detail::shape_string(t.global_shape), d));
       }
     }
     if (t.placement == Placement::replicated && t.slice_extent != t.global_shape) {
-      throw CheckpointError(fmt::format(
-          "tensor '{}': a replicated tensor must pass its whole shape as slice", t.name));
+      throw CheckpointError(fmt::format("tensor '{}': a replicated tensor must pass its whole shape as slice", t.name));
     }
     if (t.data == nullptr && t.slice_bytes() > 0) {
       throw CheckpointError(fmt::format("tensor '{}': data pointer is null", t.name));
@@ -87,8 +83,8 @@ void detail::validate_tensors(std::span<const TensorView> tensors) {
   }
 }
 
-std::map<std::string, std::uint64_t> detail::replica_fingerprints(
-    std::span<const TensorView> tensors, ReplicaCheck mode) {
+std::map<std::string, std::uint64_t> detail::replica_fingerprints(std::span<const TensorView> tensors,
+                                                                  ReplicaCheck mode) {
   std::map<std::string, std::uint64_t> fingerprints;
   if (mode == ReplicaCheck::off) return fingerprints;
   constexpr std::uint64_t kWhole = 1 << 20;
@@ -111,9 +107,8 @@ std::map<std::string, std::uint64_t> detail::replica_fingerprints(
   return fingerprints;
 }
 
-std::uint64_t detail::write_hashed_runs(hid_t dataset, hid_t type, const Box& file_box,
-                                        std::size_t element_size, const std::byte* bytes,
-                                        bool whole_dataset, const std::string& what,
+std::uint64_t detail::write_hashed_runs(hid_t dataset, hid_t type, const Box& file_box, std::size_t element_size,
+                                        const std::byte* bytes, bool whole_dataset, const std::string& what,
                                         const std::function<void(const Box&)>& after_run) {
   Xxh3Stream stream;
   const std::uint64_t total = element_count(file_box.extent) * element_size;
@@ -127,34 +122,29 @@ std::uint64_t detail::write_hashed_runs(hid_t dataset, hid_t type, const Box& fi
   const std::size_t rank = file_box.extent.size();
   std::vector<hsize_t> start(rank), count(rank);
   Box run{Shape(rank), Shape(rank)};
-  for_each_chunk(file_box.extent, element_size, kWriteChunk,
-                 [&](const Shape& chunk_start, const Shape& chunk_count, std::uint64_t offset,
-                     std::uint64_t chunk_bytes) {
-                   for (std::size_t d = 0; d < rank; ++d) {
-                     run.offset[d] = file_box.offset[d] + chunk_start[d];
-                     run.extent[d] = chunk_count[d];
-                   }
-                   std::copy(run.offset.begin(), run.offset.end(), start.begin());
-                   std::copy(run.extent.begin(), run.extent.end(), count.begin());
-                   h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(),
-                                                 nullptr, count.data(), nullptr),
-                             what);
-                   const hsize_t elements = chunk_bytes / element_size;
-                   h5::Handle memory_space = h5::make_space(
-                       H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
-                   stream.update(bytes + offset, chunk_bytes);
-                   h5::check(H5Dwrite(dataset, type, memory_space.get(), file_space.get(),
-                                      H5P_DEFAULT, bytes + offset),
-                             what);
-                   if (after_run) after_run(run);
-                 });
+  for_each_chunk(
+      file_box.extent, element_size, kWriteChunk,
+      [&](const Shape& chunk_start, const Shape& chunk_count, std::uint64_t offset, std::uint64_t chunk_bytes) {
+        for (std::size_t d = 0; d < rank; ++d) {
+          run.offset[d] = file_box.offset[d] + chunk_start[d];
+          run.extent[d] = chunk_count[d];
+        }
+        std::copy(run.offset.begin(), run.offset.end(), start.begin());
+        std::copy(run.extent.begin(), run.extent.end(), count.begin());
+        h5::check(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr),
+                  what);
+        const hsize_t elements = chunk_bytes / element_size;
+        h5::Handle memory_space = h5::make_space(H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
+        stream.update(bytes + offset, chunk_bytes);
+        h5::check(H5Dwrite(dataset, type, memory_space.get(), file_space.get(), H5P_DEFAULT, bytes + offset), what);
+        if (after_run) after_run(run);
+      });
   return stream.digest();
 }
 
-json detail::write_shard_file(const fs::path& directory, std::uint64_t step,
-                             std::span<const TensorView> tensors, int rank, int world,
-                             const SaveOptions& options, PieceSource source,
-                             std::uint64_t& bytes_written) {
+json detail::write_shard_file(const fs::path& directory, std::uint64_t step, std::span<const TensorView> tensors,
+                              int rank, int world, const SaveOptions& options, PieceSource source,
+                              std::uint64_t& bytes_written) {
   detail::validate_tensors(tensors);
   const std::string file_name = detail::shard_file_name(rank, world);
   const fs::path file_path = directory / file_name;
@@ -162,11 +152,9 @@ json detail::write_shard_file(const fs::path& directory, std::uint64_t step,
   std::vector<std::byte> gather_buffer;  // replicated pieces that are not contiguous in memory
   {
     h5::Lock lock(h5::library_mutex());
-    h5::Handle fapl = h5::file_access(options.alignment, options.alignment_threshold,
-                                      options.file_locking);
-    h5::Handle file = h5::make_file(
-        H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()),
-        fmt::format("create shard file {}", file_path.string()));
+    h5::Handle fapl = h5::file_access(options.alignment, options.alignment_threshold, options.file_locking);
+    h5::Handle file = h5::make_file(H5Fcreate(file_path.c_str(), H5F_ACC_EXCL, H5P_DEFAULT, fapl.get()),
+                                    fmt::format("create shard file {}", file_path.string()));
     h5::write_attr_string(file.get(), "format", detail::kFormatName);
     h5::write_attr_i64(file.get(), "format_version", kFormatVersion);
     h5::write_attr_i64(file.get(), "step", static_cast<std::int64_t>(step));
@@ -189,17 +177,14 @@ json detail::write_shard_file(const fs::path& directory, std::uint64_t step,
         h5::Handle type = h5::storage_type(t.dtype);
         h5::Handle space = h5::dataspace(piece->extent);
         h5::Handle dataset = h5::make_dataset(
-            H5Dcreate2(file.get(), t.name.c_str(), type.get(), space.get(), lcpl.get(), dcpl.get(),
-                       H5P_DEFAULT),
+            H5Dcreate2(file.get(), t.name.c_str(), type.get(), space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT),
             fmt::format("create dataset {} in {}", t.name, file_path.string()));
         const std::uint64_t hash = detail::write_hashed_runs(
             dataset.get(), type.get(), Box{Shape(piece->extent.size(), 0), piece->extent}, element_size, bytes,
             /*whole_dataset=*/true, fmt::format("write tensor {} to {}", t.name, file_path.string()));
         h5::write_attr_string(dataset.get(), "dtype", dtype_name(t.dtype));
-        h5::write_attr_u64_array(dataset.get(), "global_shape", t.global_shape,
-                                 {t.global_shape.size()});
-        h5::write_attr_u64_array(dataset.get(), "global_offset", piece->offset,
-                                 {piece->offset.size()});
+        h5::write_attr_u64_array(dataset.get(), "global_shape", t.global_shape, {t.global_shape.size()});
+        h5::write_attr_u64_array(dataset.get(), "global_offset", piece->offset, {piece->offset.size()});
         h5::write_attr_u64_array(dataset.get(), "xxh3_64", {hash}, {1});
         dataset.close_checked(fmt::format("close dataset {} in {}", t.name, file_path.string()));
         entry["pieces"].push_back({{"offset", piece->offset},
@@ -221,8 +206,8 @@ namespace {
 
 // Rank 0: combine the ranks' reports into the manifest, checking that they agree and that
 // every tensor is covered exactly once.
-json merge_reports(const std::vector<json>& reports, std::uint64_t step, int world,
-                   const json& metadata, Layout layout) {
+json merge_reports(const std::vector<json>& reports, std::uint64_t step, int world, const json& metadata,
+                   Layout layout) {
   json manifest = {{"format", detail::kFormatName},
                    {"format_version", kFormatVersion},
                    {"step", step},
@@ -251,9 +236,8 @@ json merge_reports(const std::vector<json>& reports, std::uint64_t step, int wor
         throw CheckpointError(fmt::format(
             "tensor '{}': rank {} declares {} {} {} but another rank declares {} {} {}; all ranks "
             "must agree on dtype, global shape and placement",
-            name, report["rank"].get<int>(), entry["dtype"].dump(), entry["shape"].dump(),
-            entry["placement"].dump(), tensor["dtype"].dump(), tensor["shape"].dump(),
-            tensor["placement"].dump()));
+            name, report["rank"].get<int>(), entry["dtype"].dump(), entry["shape"].dump(), entry["placement"].dump(),
+            tensor["dtype"].dump(), tensor["shape"].dump(), tensor["placement"].dump()));
       }
       for (const auto& piece : entry["pieces"]) {
         tensor["shards"].push_back({{"file", report["file"]},
@@ -277,30 +261,28 @@ json merge_reports(const std::vector<json>& reports, std::uint64_t step, int wor
     // Overlap check as a sweep along dimension 0: a box is compared only with the boxes whose
     // dimension-0 range is still open, i.e. O(pieces) for row splits, not O(pieces^2).
     if (!shape.empty()) {
-      std::sort(boxes.begin(), boxes.end(),
-                [](const Box& a, const Box& b) { return a.offset[0] < b.offset[0]; });
+      std::sort(boxes.begin(), boxes.end(), [](const Box& a, const Box& b) { return a.offset[0] < b.offset[0]; });
       std::vector<const Box*> open;
       for (const auto& box : boxes) {
         std::erase_if(open, [&](const Box* o) { return o->offset[0] + o->extent[0] <= box.offset[0]; });
         for (const Box* other : open) {
           if (detail::intersect(box, *other)) {
-            throw CheckpointError(fmt::format(
-                "tensor '{}': slices from different ranks overlap at offset {}; save each element "
-                "from exactly one rank (mark whole copies as replicated)",
-                name, detail::shape_string(box.offset)));
+            throw CheckpointError(
+                fmt::format("tensor '{}': slices from different ranks overlap at offset {}; save each element "
+                            "from exactly one rank (mark whole copies as replicated)",
+                            name, detail::shape_string(box.offset)));
           }
         }
         open.push_back(&box);
       }
     } else if (boxes.size() > 1) {
-      throw CheckpointError(fmt::format("tensor '{}': the 0-d tensor is saved by {} ranks", name,
-                                        boxes.size()));
+      throw CheckpointError(fmt::format("tensor '{}': the 0-d tensor is saved by {} ranks", name, boxes.size()));
     }
     if (covered != element_count(shape)) {
-      throw CheckpointError(fmt::format(
-          "tensor '{}': the ranks' slices cover {} of {} elements; every element of a sharded "
-          "tensor must be saved by some rank, and a replicated one declared on every rank",
-          name, covered, element_count(shape)));
+      throw CheckpointError(
+          fmt::format("tensor '{}': the ranks' slices cover {} of {} elements; every element of a sharded "
+                      "tensor must be saved by some rank, and a replicated one declared on every rank",
+                      name, covered, element_count(shape)));
     }
     manifest["tensors"].push_back(std::move(tensor));
   }
@@ -320,16 +302,15 @@ json merge_reports(const std::vector<json>& reports, std::uint64_t step, int wor
     std::vector<std::string> parts;
     for (const auto& [name, ranks] : differing) {
       std::vector<int> shown(ranks.begin(), ranks.begin() + std::min<std::size_t>(ranks.size(), 8));
-      parts.push_back(fmt::format("replicated tensor '{}' differs across ranks: rank(s) {}{} hold "
-                                  "other values than rank {}",
-                                  name, fmt::join(shown, ", "),
-                                  ranks.size() > shown.size() ? ", ..." : "",
-                                  reference[name].second));
+      parts.push_back(fmt::format(
+          "replicated tensor '{}' differs across ranks: rank(s) {}{} hold "
+          "other values than rank {}",
+          name, fmt::join(shown, ", "), ranks.size() > shown.size() ? ", ..." : "", reference[name].second));
     }
-    throw CheckpointError(fmt::format(
-        "{}; a replicated tensor must be identical on every rank (broadcast it, or save it as "
-        "sharded)",
-        fmt::join(parts, "; ")));
+    throw CheckpointError(
+        fmt::format("{}; a replicated tensor must be identical on every rank (broadcast it, or save it as "
+                    "sharded)",
+                    fmt::join(parts, "; ")));
   }
   return manifest;
 }
@@ -341,10 +322,8 @@ void write_string_dataset(hid_t file, const std::string& path, const std::string
   h5::Handle space = h5::make_space(H5Screate(H5S_SCALAR), "create scalar dataspace");
   h5::Handle lcpl = h5::link_create_intermediate();
   h5::Handle dataset = h5::make_dataset(
-      H5Dcreate2(file, path.c_str(), type.get(), space.get(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT),
-      "create " + path);
-  h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.c_str()),
-            "write " + path);
+      H5Dcreate2(file, path.c_str(), type.get(), space.get(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT), "create " + path);
+  h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.c_str()), "write " + path);
 }
 
 // Rank 0: index.h5 with one virtual dataset per tensor over the shard files (0-d tensors are
@@ -377,16 +356,16 @@ void write_index(const fs::path& directory, const json& manifest, const SaveOpti
       const auto& shard = tensor["shards"].at(0);
       const fs::path shard_path = directory / shard["file"].get<std::string>();
       h5::Handle shard_fapl = h5::file_access(0, 0, options.file_locking);
-      h5::Handle shard_file = h5::make_file(
-          H5Fopen(shard_path.c_str(), H5F_ACC_RDONLY, shard_fapl.get()), "open " + shard_path.string());
+      h5::Handle shard_file =
+          h5::make_file(H5Fopen(shard_path.c_str(), H5F_ACC_RDONLY, shard_fapl.get()), "open " + shard_path.string());
       h5::Handle source = h5::make_dataset(H5Dopen2(shard_file.get(), name.c_str(), H5P_DEFAULT),
                                            "open " + name + " in " + shard_path.string());
       std::vector<std::byte> value(dtype_size(dtype));
       h5::check(H5Dread(source.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, value.data()),
                 "read " + name + " from " + shard_path.string());
-      dataset = h5::make_dataset(H5Dcreate2(file.get(), name.c_str(), type.get(), space.get(),
-                                            lcpl.get(), H5P_DEFAULT, H5P_DEFAULT),
-                                 "create index dataset " + name);
+      dataset = h5::make_dataset(
+          H5Dcreate2(file.get(), name.c_str(), type.get(), space.get(), lcpl.get(), H5P_DEFAULT, H5P_DEFAULT),
+          "create index dataset " + name);
       h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, value.data()),
                 "write index dataset " + name);
     } else {
@@ -400,22 +379,21 @@ void write_index(const fs::path& directory, const json& manifest, const SaveOpti
         const std::vector<hsize_t> count(extent.begin(), extent.end());
         const std::vector<hsize_t> source_start(in_file.begin(), in_file.end());
         h5::Handle virtual_space = h5::make_space(H5Scopy(space.get()), "copy dataspace");
-        h5::check(H5Sselect_hyperslab(virtual_space.get(), H5S_SELECT_SET, start.data(), nullptr,
-                                      count.data(), nullptr),
-                  "select virtual hyperslab of " + name);
+        h5::check(
+            H5Sselect_hyperslab(virtual_space.get(), H5S_SELECT_SET, start.data(), nullptr, count.data(), nullptr),
+            "select virtual hyperslab of " + name);
         // Per-rank shards hold exactly the piece; the shared file holds the global tensor.
         h5::Handle source_space = h5::dataspace(shared ? shape : extent);
-        h5::check(H5Sselect_hyperslab(source_space.get(), H5S_SELECT_SET, source_start.data(),
-                                      nullptr, count.data(), nullptr),
+        h5::check(H5Sselect_hyperslab(source_space.get(), H5S_SELECT_SET, source_start.data(), nullptr, count.data(),
+                                      nullptr),
                   "select source hyperslab of " + name);
-        h5::check(H5Pset_virtual(dcpl.get(), virtual_space.get(),
-                                 shard["file"].get<std::string>().c_str(), source_name.c_str(),
-                                 source_space.get()),
+        h5::check(H5Pset_virtual(dcpl.get(), virtual_space.get(), shard["file"].get<std::string>().c_str(),
+                                 source_name.c_str(), source_space.get()),
                   "map " + name + " to " + shard["file"].get<std::string>());
       }
-      dataset = h5::make_dataset(H5Dcreate2(file.get(), name.c_str(), type.get(), space.get(),
-                                            lcpl.get(), dcpl.get(), H5P_DEFAULT),
-                                 "create virtual dataset " + name);
+      dataset = h5::make_dataset(
+          H5Dcreate2(file.get(), name.c_str(), type.get(), space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT),
+          "create virtual dataset " + name);
     }
     // Attributes for readers without elastrun code.
     std::vector<std::int32_t> ranks;
@@ -454,15 +432,13 @@ std::string join_errors(const std::vector<std::string>& votes) {
 
 }  // namespace
 
-SaveResult save_checkpoint(const fs::path& root, std::uint64_t step,
-                           std::span<const TensorView> tensors, const json& metadata,
-                           Communicator& comm, const SaveOptions& options) {
+SaveResult save_checkpoint(const fs::path& root, std::uint64_t step, std::span<const TensorView> tensors,
+                           const json& metadata, Communicator& comm, const SaveOptions& options) {
   return detail::save_checkpoint_from(root, step, tensors, metadata, comm, options, {});
 }
 
-SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step,
-                                        std::span<const TensorView> tensors, const json& metadata,
-                                        Communicator& comm, const SaveOptions& options,
+SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step, std::span<const TensorView> tensors,
+                                        const json& metadata, Communicator& comm, const SaveOptions& options,
                                         const SaveInputs& inputs) {
   const int rank = comm.rank();
   // Round 1 (broadcast): rank 0 creates the temporary directory and tells everyone its name.
@@ -475,8 +451,7 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
       fs::create_directory(temporary);
       proposal = generation;
     } catch (const std::exception& e) {
-      proposal = fmt::format("!cannot create checkpoint directory under {}: {}", root.string(),
-                             e.what());
+      proposal = fmt::format("!cannot create checkpoint directory under {}: {}", root.string(), e.what());
     }
   }
   const std::string generation = comm.broadcast(proposal);
@@ -498,14 +473,13 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
     json report;
     if (options.layout == Layout::shared_file) {
       // Collective: a local error is shared inside, so every rank fails in the same phase.
-      report = detail::write_shared_file(temporary, step, tensors, comm, options, inputs.source,
-                                         result.bytes_written, inputs.local_error);
+      report = detail::write_shared_file(temporary, step, tensors, comm, options, inputs.source, result.bytes_written,
+                                         inputs.local_error);
     } else {
       if (inputs.local_error) throw CheckpointError(*inputs.local_error);
-      report = inputs.write_shard
-                   ? inputs.write_shard(temporary, result.bytes_written)
-                   : detail::write_shard_file(temporary, step, tensors, comm.rank(), comm.size(),
-                                              options, inputs.source, result.bytes_written);
+      report = inputs.write_shard ? inputs.write_shard(temporary, result.bytes_written)
+                                  : detail::write_shard_file(temporary, step, tensors, comm.rank(), comm.size(),
+                                                             options, inputs.source, result.bytes_written);
     }
     if (fingerprints != nullptr && !fingerprints->empty()) report["fingerprints"] = *fingerprints;
     vote = report.dump();
@@ -520,8 +494,7 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
   if (rank == 0) {
     json decision = json::object();
     if (const std::string errors = join_errors(votes); !errors.empty()) {
-      decision["error"] = fmt::format("checkpoint step {} not saved (previous one kept): {}", step,
-                                      errors);
+      decision["error"] = fmt::format("checkpoint step {} not saved (previous one kept): {}", step, errors);
     } else {
       try {
         std::vector<json> reports;
@@ -537,8 +510,7 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
           // Housekeeping failures never fail a committed save; the next save retries.
         }
       } catch (const std::exception& e) {
-        decision["error"] = fmt::format("checkpoint step {} not committed (previous one kept): {}",
-                                        step, e.what());
+        decision["error"] = fmt::format("checkpoint step {} not committed (previous one kept): {}", step, e.what());
       }
     }
     if (decision.contains("error")) {

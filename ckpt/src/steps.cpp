@@ -32,34 +32,31 @@ namespace {
 // swapped atomically (renameat2 RENAME_EXCHANGE): there is no moment without a complete copy of
 // the step. Returns where the replaced copy now lives (empty if there was none). Throws if the
 // new step did not become visible (then the old one, if any, is still in place).
-fs::path publish(const fs::path& root, const fs::path& temporary, const fs::path& final_path,
-                 std::uint64_t step, const std::string& generation) {
+fs::path publish(const fs::path& root, const fs::path& temporary, const fs::path& final_path, std::uint64_t step,
+                 const std::string& generation) {
   if (!detail::path_exists(final_path)) {
     detail::rename_path(temporary, final_path);
     return {};
   }
   if (!detail::rename_exchange_disabled()) {
-    if (::renameat2(AT_FDCWD, temporary.c_str(), AT_FDCWD, final_path.c_str(),
-                    RENAME_EXCHANGE) == 0) {
+    if (::renameat2(AT_FDCWD, temporary.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
       return temporary;  // now holds the old copy
     }
     if (errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP) {
-      throw CheckpointError(fmt::format("renameat2(RENAME_EXCHANGE) {} <-> {} failed: {}",
-                                        temporary.string(), final_path.string(),
-                                        std::strerror(errno)));
+      throw CheckpointError(fmt::format("renameat2(RENAME_EXCHANGE) {} <-> {} failed: {}", temporary.string(),
+                                        final_path.string(), std::strerror(errno)));
     }
   }
   // The filesystem cannot exchange: move the old copy aside first. A crash between the two
   // renames leaves step-<n>.replaced-<gen>, which list_steps() still treats as step n.
-  const fs::path aside =
-      root / (detail::step_name(step) + std::string(detail::kReplacedInfix) + generation);
+  const fs::path aside = root / (detail::step_name(step) + std::string(detail::kReplacedInfix) + generation);
   detail::rename_path(final_path, aside);
   detail::fault_point("commit.between_renames", 0);
   if (::rename(temporary.c_str(), final_path.c_str()) != 0) {
     const int saved = errno;
     (void)::rename(aside.c_str(), final_path.c_str());  // put the old copy back
-    throw CheckpointError(fmt::format("rename {} -> {} failed: {}", temporary.string(),
-                                      final_path.string(), std::strerror(saved)));
+    throw CheckpointError(
+        fmt::format("rename {} -> {} failed: {}", temporary.string(), final_path.string(), std::strerror(saved)));
   }
   return aside;
 }
@@ -80,9 +77,8 @@ void detail::retire(const fs::path& root, std::uint64_t step, const fs::path& di
 // Rank 0, after every rank voted yes: make the step durable and visible. Throws only if the
 // step was not committed; problems after that point are returned as warnings (the save is
 // committed and restore will use it).
-std::vector<std::string> detail::commit(const fs::path& root, const fs::path& temporary,
-                                        std::uint64_t step, const std::string& generation,
-                                        const SaveOptions& options) {
+std::vector<std::string> detail::commit(const fs::path& root, const fs::path& temporary, std::uint64_t step,
+                                        const std::string& generation, const SaveOptions& options) {
   const fs::path final_path = root / detail::step_name(step);
   if (options.fsync) {
     detail::fsync_path(temporary / detail::kIndexFile, false);
@@ -102,13 +98,11 @@ std::vector<std::string> detail::commit(const fs::path& root, const fs::path& te
   attempt("post-commit hook", [&] { detail::fault_point("commit.published", 0); });
   if (options.fsync) attempt("fsync of the checkpoint directory", [&] { detail::fsync_path(root, true); });
   attempt("updating 'latest'", [&] {
-    const fs::path link_temporary =
-        root / (std::string(detail::kLatestLink) + ".tmp-" + generation);
+    const fs::path link_temporary = root / (std::string(detail::kLatestLink) + ".tmp-" + generation);
     std::error_code ec;
     fs::create_symlink(detail::step_name(step), link_temporary, ec);
     if (ec) {
-      throw CheckpointError(fmt::format("cannot create symlink {}: {}", link_temporary.string(),
-                                        ec.message()));
+      throw CheckpointError(fmt::format("cannot create symlink {}: {}", link_temporary.string(), ec.message()));
     }
     try {
       detail::rename_path(link_temporary, root / detail::kLatestLink);
@@ -129,9 +123,7 @@ std::vector<std::string> detail::commit(const fs::path& root, const fs::path& te
   return warnings;
 }
 
-fs::path step_directory(const fs::path& root, std::uint64_t step) {
-  return root / detail::step_name(step);
-}
+fs::path step_directory(const fs::path& root, std::uint64_t step) { return root / detail::step_name(step); }
 
 namespace {
 // "step-<n>.replaced-<gen>" -> n
@@ -181,8 +173,7 @@ void remove_partial_directories(const fs::path& root) {
         continue;
       }
     }
-    if (detail::is_partial_name(name) ||
-        name.rfind(std::string(detail::kLatestLink) + ".tmp-", 0) == 0) {
+    if (detail::is_partial_name(name) || name.rfind(std::string(detail::kLatestLink) + ".tmp-", 0) == 0) {
       stale.push_back(entry.path());
     }
   }
@@ -197,16 +188,14 @@ void remove_partial_directories(const fs::path& root) {
   }
 }
 
-void apply_retention(const fs::path& root, std::uint64_t committed, int keep_last,
-                     std::uint64_t keep_every) {
+void apply_retention(const fs::path& root, std::uint64_t committed, int keep_last, std::uint64_t keep_every) {
   std::vector<StepEntry> older;
   for (const auto& entry : list_steps(root)) {
     if (entry.step > committed) {
       // A step numbered above the one just committed belongs to an abandoned timeline (the run
       // restarted from an older step). Restore picks the highest step, so it is set aside —
       // never deleted automatically: it may be the only copy of someone's data.
-      const fs::path aside =
-          root / ("abandoned-" + detail::step_name(entry.step) + "-" + detail::generation_token());
+      const fs::path aside = root / ("abandoned-" + detail::step_name(entry.step) + "-" + detail::generation_token());
       detail::rename_path(entry.path, aside);
     } else if (entry.step < committed) {
       older.push_back(entry);

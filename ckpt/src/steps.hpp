@@ -16,14 +16,12 @@ bool path_exists(const std::filesystem::path& path);
 
 // Rank 0: renames `directory` (step `step`) to "step-<n>.deleting-<gen>" and queues it for
 // background removal. Throws if the rename fails.
-void retire(const std::filesystem::path& root, std::uint64_t step,
-            const std::filesystem::path& directory);
+void retire(const std::filesystem::path& root, std::uint64_t step, const std::filesystem::path& directory);
 
 // Rank 0, after every rank voted yes: fsyncs and publishes `temporary` as step `step`, then
 // points `latest` at it. Throws only if the step was not committed; later problems are returned
 // as warnings.
-std::vector<std::string> commit(const std::filesystem::path& root,
-                                const std::filesystem::path& temporary, std::uint64_t step,
-                                const std::string& generation, const SaveOptions& options);
+std::vector<std::string> commit(const std::filesystem::path& root, const std::filesystem::path& temporary,
+                                std::uint64_t step, const std::string& generation, const SaveOptions& options);
 
 }  // namespace elastrun::ckpt::detail

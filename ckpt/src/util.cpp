@@ -31,9 +31,8 @@ std::optional<Box> intersect(const Box& a, const Box& b) {
   return result;
 }
 
-void copy_box(const std::byte* src, const Shape& src_shape, const Shape& src_start,
-              std::byte* dst, const Shape& dst_shape, const Shape& dst_start, const Shape& count,
-              std::size_t element_size) {
+void copy_box(const std::byte* src, const Shape& src_shape, const Shape& src_start, std::byte* dst,
+              const Shape& dst_shape, const Shape& dst_start, const Shape& count, std::size_t element_size) {
   const std::size_t ndim = count.size();
   if (element_count(count) == 0) return;
   if (ndim == 0) {
@@ -112,13 +111,10 @@ Xxh3Stream::~Xxh3Stream() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); 
 void Xxh3Stream::update(const void* data, std::size_t size) {
   if (size > 0) XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, size);
 }
-std::uint64_t Xxh3Stream::digest() const {
-  return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_));
-}
+std::uint64_t Xxh3Stream::digest() const { return XXH3_64bits_digest(static_cast<const XXH3_state_t*>(state_)); }
 
 void for_each_chunk(const Shape& extent, std::size_t element_size, std::uint64_t max_bytes,
-                    const std::function<void(const Shape&, const Shape&, std::uint64_t,
-                                             std::uint64_t)>& chunk) {
+                    const std::function<void(const Shape&, const Shape&, std::uint64_t, std::uint64_t)>& chunk) {
   const std::size_t ndim = extent.size();
   if (ndim == 0) {
     chunk({}, {}, 0, element_size);
@@ -133,8 +129,8 @@ void for_each_chunk(const Shape& extent, std::size_t element_size, std::uint64_t
   }
   std::size_t split = 0;  // chunk along this dimension; single indices before it
   while (split + 1 < ndim && step_bytes[split] > max_bytes) ++split;
-  const std::uint64_t block = std::min<std::uint64_t>(
-      extent[split], std::max<std::uint64_t>(1, max_bytes / step_bytes[split]));
+  const std::uint64_t block =
+      std::min<std::uint64_t>(extent[split], std::max<std::uint64_t>(1, max_bytes / step_bytes[split]));
   Shape start(ndim, 0), count(extent);
   for (std::size_t d = 0; d < split; ++d) count[d] = 1;
   std::uint64_t offset = 0;
@@ -190,9 +186,8 @@ std::atomic<bool> hook_installed{false};
 // A test hook is also called in forked children (AsyncSaver's snapshot writer): fork() must not
 // copy the mutex while another thread (another rank, the remover) holds it, or the child's
 // fault_point would block forever. It is held only to copy or swap the pointer.
-[[maybe_unused]] const int fault_hook_fork_handlers =
-    ::pthread_atfork([] { fault_hook_mutex.lock(); }, [] { fault_hook_mutex.unlock(); },
-                     [] { fault_hook_mutex.unlock(); });
+[[maybe_unused]] const int fault_hook_fork_handlers = ::pthread_atfork(
+    [] { fault_hook_mutex.lock(); }, [] { fault_hook_mutex.unlock(); }, [] { fault_hook_mutex.unlock(); });
 std::atomic<bool> exchange_disabled{false};
 }  // namespace
 
@@ -251,22 +246,20 @@ std::string generation_token() {
 void fsync_path(const std::filesystem::path& path, bool directory) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | (directory ? O_DIRECTORY : 0));
   if (fd < 0) {
-    throw CheckpointError(fmt::format("cannot open {} for fsync: {}", path.string(),
-                                      std::strerror(errno)));
+    throw CheckpointError(fmt::format("cannot open {} for fsync: {}", path.string(), std::strerror(errno)));
   }
   const int status = ::fsync(fd);
   const int saved_errno = errno;
   ::close(fd);
   if (status != 0) {
-    throw CheckpointError(fmt::format("fsync {} failed: {} (data may not be durable)",
-                                      path.string(), std::strerror(saved_errno)));
+    throw CheckpointError(
+        fmt::format("fsync {} failed: {} (data may not be durable)", path.string(), std::strerror(saved_errno)));
   }
 }
 
 void rename_path(const std::filesystem::path& from, const std::filesystem::path& to) {
   if (::rename(from.c_str(), to.c_str()) != 0) {
-    throw CheckpointError(fmt::format("rename {} -> {} failed: {}", from.string(), to.string(),
-                                      std::strerror(errno)));
+    throw CheckpointError(fmt::format("rename {} -> {} failed: {}", from.string(), to.string(), std::strerror(errno)));
   }
 }
 

@@ -47,32 +47,27 @@ struct SaveInputs {
   const std::map<std::string, std::uint64_t>* fingerprints = nullptr;
   // File-per-rank layout: writes this rank's shard into the temporary step directory instead of
   // write_shard_file (AsyncSaver's fork snapshot: a child process writes it). Returns the report.
-  std::function<nlohmann::json(const std::filesystem::path& directory, std::uint64_t& bytes_written)>
-      write_shard;
+  std::function<nlohmann::json(const std::filesystem::path& directory, std::uint64_t& bytes_written)> write_shard;
 };
 
 // File-per-rank layout: writes rank `rank`'s shard file into `directory`, fsynced unless
 // options.fsync is off, and returns its report for the vote. Uses no communicator (it also runs
 // in AsyncSaver's forked snapshot writer).
 nlohmann::json write_shard_file(const std::filesystem::path& directory, std::uint64_t step,
-                                std::span<const TensorView> tensors, int rank, int world,
-                                const SaveOptions& options, PieceSource source,
-                                std::uint64_t& bytes_written);
+                                std::span<const TensorView> tensors, int rank, int world, const SaveOptions& options,
+                                PieceSource source, std::uint64_t& bytes_written);
 
 SaveResult save_checkpoint_from(const std::filesystem::path& root, std::uint64_t step,
-                                std::span<const TensorView> tensors,
-                                const nlohmann::json& metadata, Communicator& comm,
+                                std::span<const TensorView> tensors, const nlohmann::json& metadata, Communicator& comm,
                                 const SaveOptions& options, const SaveInputs& inputs);
 
 // Fingerprints of the replicated tensors in `tensors` (whole tensors in memory).
-std::map<std::string, std::uint64_t> replica_fingerprints(std::span<const TensorView> tensors,
-                                                          ReplicaCheck mode);
+std::map<std::string, std::uint64_t> replica_fingerprints(std::span<const TensorView> tensors, ReplicaCheck mode);
 
 // The box of `t` this rank writes (nullopt: nothing) and a pointer to its C-contiguous bytes
 // (the caller's memory when possible, else gathered into gather_buffer).
 std::optional<Box> rank_piece(const TensorView& t, int rank, int world);
-const std::byte* piece_data(const TensorView& t, const Box& piece,
-                            std::vector<std::byte>& gather_buffer,
+const std::byte* piece_data(const TensorView& t, const Box& piece, std::vector<std::byte>& gather_buffer,
                             PieceSource source = PieceSource::whole_tensor);
 
 // Names, shapes, slices; throws CheckpointError naming the tensor.
@@ -87,9 +82,8 @@ void validate_tensors(std::span<const TensorView> tensors);
 // one rank (e.g. a write error) makes every rank throw an error naming it instead of leaving
 // the others blocked in the next collective call.
 nlohmann::json write_shared_file(const std::filesystem::path& directory, std::uint64_t step,
-                                 std::span<const TensorView> tensors, Communicator& comm,
-                                 const SaveOptions& options, PieceSource source,
-                                 std::uint64_t& bytes_written,
+                                 std::span<const TensorView> tensors, Communicator& comm, const SaveOptions& options,
+                                 PieceSource source, std::uint64_t& bytes_written,
                                  const std::string* local_error = nullptr);
 
 }  // namespace elastrun::ckpt::detail

@@ -54,8 +54,9 @@ fs::path resolve_step(const fs::path& given) {
     return given / "latest";
   }
   if (!fs::exists(given / "index.h5", ec)) {
-    throw CheckpointError(given.string() + ": not a checkpoint step (no index.h5); pass a step-N "
-                                           "directory or a checkpoint directory with 'latest'");
+    throw CheckpointError(given.string() +
+                          ": not a checkpoint step (no index.h5); pass a step-N "
+                          "directory or a checkpoint directory with 'latest'");
   }
   return given;
 }
@@ -63,8 +64,9 @@ fs::path resolve_step(const fs::path& given) {
 int command_ls(const fs::path& root) {
   std::error_code ec;
   if (!fs::is_directory(root, ec)) {
-    throw CheckpointError(root.string() + ": not a checkpoint directory (does not exist or is "
-                                          "not a directory)");
+    throw CheckpointError(root.string() +
+                          ": not a checkpoint directory (does not exist or is "
+                          "not a directory)");
   }
   std::string latest;
   if (fs::is_symlink(root / "latest", ec)) latest = fs::read_symlink(root / "latest", ec).string();
@@ -87,8 +89,8 @@ int command_ls(const fs::path& root) {
     if (name != elastrun::ckpt::step_directory("", entry.step).string()) {
       status += fmt::format(" (recovered copy {})", name);
     }
-    fmt::print("{:<16} {:>10} {:>6}  {}{}\n", entry.step, human_bytes(directory_bytes(entry.path)),
-               world, status, name == latest ? " (latest)" : "");
+    fmt::print("{:<16} {:>10} {:>6}  {}{}\n", entry.step, human_bytes(directory_bytes(entry.path)), world, status,
+               name == latest ? " (latest)" : "");
   }
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
@@ -107,22 +109,20 @@ int command_ls(const fs::path& root) {
 
 int command_inspect(const fs::path& given, bool show_shards) {
   Checkpoint checkpoint(resolve_step(given));
-  fmt::print("path:       {}\nstep:       {}\nworld size: {}\nlayout:     {}\ntensors:    {} "
-             "({})\nmetadata:   {}\n",
-             checkpoint.path().string(), checkpoint.step(), checkpoint.world_size(),
-             checkpoint.layout(), checkpoint.tensors().size(),
-             human_bytes(checkpoint.total_bytes()), checkpoint.metadata().dump());
-  fmt::print("{:<40} {:<9} {:<18} {:<10} {:>6} {:>10}\n", "NAME", "DTYPE", "SHAPE", "PLACEMENT",
-             "SHARDS", "SIZE");
+  fmt::print(
+      "path:       {}\nstep:       {}\nworld size: {}\nlayout:     {}\ntensors:    {} "
+      "({})\nmetadata:   {}\n",
+      checkpoint.path().string(), checkpoint.step(), checkpoint.world_size(), checkpoint.layout(),
+      checkpoint.tensors().size(), human_bytes(checkpoint.total_bytes()), checkpoint.metadata().dump());
+  fmt::print("{:<40} {:<9} {:<18} {:<10} {:>6} {:>10}\n", "NAME", "DTYPE", "SHAPE", "PLACEMENT", "SHARDS", "SIZE");
   for (const auto& t : checkpoint.tensors()) {
     fmt::print("{:<40} {:<9} {:<18} {:<10} {:>6} {:>10}\n", t.name, dtype_name(t.dtype),
                fmt::format("[{}]", fmt::join(t.shape, ",")),
-               t.placement == Placement::sharded ? "sharded" : "replicated", t.shards.size(),
-               human_bytes(t.bytes()));
+               t.placement == Placement::sharded ? "sharded" : "replicated", t.shards.size(), human_bytes(t.bytes()));
     if (show_shards) {
       for (const auto& s : t.shards) {
-        fmt::print("    rank {:>5} {} offset [{}] extent [{}] xxh3 {:016x}\n", s.rank, s.file,
-                   fmt::join(s.offset, ","), fmt::join(s.extent, ","), s.xxh3);
+        fmt::print("    rank {:>5} {} offset [{}] extent [{}] xxh3 {:016x}\n", s.rank, s.file, fmt::join(s.offset, ","),
+                   fmt::join(s.extent, ","), s.xxh3);
       }
     }
   }
@@ -140,9 +140,8 @@ int command_verify(const fs::path& given) {
   }
   std::size_t shards = 0;
   for (const auto& t : checkpoint.tensors()) shards += t.shards.size();
-  fmt::print("{}: ok ({} tensors, {} shard datasets, {} verified with xxh3_64)\n",
-             checkpoint.path().string(), checkpoint.tensors().size(), shards,
-             human_bytes(checkpoint.total_bytes()));
+  fmt::print("{}: ok ({} tensors, {} shard datasets, {} verified with xxh3_64)\n", checkpoint.path().string(),
+             checkpoint.tensors().size(), shards, human_bytes(checkpoint.total_bytes()));
   return 0;
 }
 
@@ -154,7 +153,6 @@ int command_export(const fs::path& given, const fs::path& output) {
   return 0;
 }
 
-
 // ---- diff --------------------------------------------------------------------------------------
 
 // Exit status of diff when the checkpoints cannot be compared at all (usage, unreadable step),
@@ -164,9 +162,12 @@ constexpr int kDiffTrouble = 2;
 double half_to_double(std::uint16_t h) {
   const int sign = (h >> 15) & 1, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
   double value;
-  if (exponent == 0) value = std::ldexp(mantissa, -24);  // zero, subnormal
-  else if (exponent == 31) value = mantissa ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
-  else value = std::ldexp(mantissa + 1024, exponent - 25);
+  if (exponent == 0)
+    value = std::ldexp(mantissa, -24);  // zero, subnormal
+  else if (exponent == 31)
+    value = mantissa ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
+  else
+    value = std::ldexp(mantissa + 1024, exponent - 25);
   return sign ? -value : value;
 }
 
@@ -194,7 +195,8 @@ double element(const std::byte* data, DType dtype, std::size_t i) {
 
 // |a - b| where equal infinities and two NaNs count as equal, one NaN as infinitely far.
 double distance(double a, double b) {
-  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b) ? 0.0 : std::numeric_limits<double>::infinity();
+  if (std::isnan(a) || std::isnan(b))
+    return std::isnan(a) && std::isnan(b) ? 0.0 : std::numeric_limits<double>::infinity();
   if (a == b) return 0.0;  // also equal infinities
   return std::fabs(a - b);
 }
@@ -237,8 +239,8 @@ std::string shape_text(const Shape& shape) { return fmt::format("[{}]", fmt::joi
 int command_diff(const fs::path& given_a, const fs::path& given_b, double tol) {
   // Any exception (unreadable or damaged checkpoint) is exit 2, by the caller.
   std::optional<Checkpoint> a(resolve_step(given_a)), b(resolve_step(given_b));
-  fmt::print("a: {} (step {}, world size {})\nb: {} (step {}, world size {})\n", a->path().string(),
-             a->step(), a->world_size(), b->path().string(), b->step(), b->world_size());
+  fmt::print("a: {} (step {}, world size {})\nb: {} (step {}, world size {})\n", a->path().string(), a->step(),
+             a->world_size(), b->path().string(), b->step(), b->world_size());
   std::map<std::string, const TensorInfo*> in_a, in_b;
   for (const auto& t : a->tensors()) in_a[t.name] = &t;
   for (const auto& t : b->tensors()) in_b[t.name] = &t;
@@ -287,15 +289,12 @@ int main(int argc, char** argv) {
   auto* ls = app.add_subcommand("ls", "List the steps of a checkpoint directory");
   ls->add_option("DIR", path, "Checkpoint directory (holds step-*/ and latest)")->required();
   auto* inspect = app.add_subcommand("inspect", "Show tensors, shapes, dtypes and shards");
-  inspect->add_option("STEP", path, "Step directory, or a checkpoint directory for latest")
-      ->required();
+  inspect->add_option("STEP", path, "Step directory, or a checkpoint directory for latest")->required();
   inspect->add_flag("--shards", show_shards, "List every shard of every tensor");
   auto* verify = app.add_subcommand("verify", "Check every shard's content hash (exit 1 if bad)");
-  verify->add_option("STEP", path, "Step directory, or a checkpoint directory for latest")
-      ->required();
+  verify->add_option("STEP", path, "Step directory, or a checkpoint directory for latest")->required();
   auto* export_cmd = app.add_subcommand("export", "Write the checkpoint as one safetensors file");
-  export_cmd->add_option("STEP", path, "Step directory, or a checkpoint directory for latest")
-      ->required();
+  export_cmd->add_option("STEP", path, "Step directory, or a checkpoint directory for latest")->required();
   export_cmd->add_option("--to", output, "Output .safetensors file")->required();
   fs::path other;
   double tol = 1e-4;

@@ -8,12 +8,10 @@
 
 namespace elastrun::ckpt {
 
-C10dStoreCommunicator::C10dStoreCommunicator(c10d::Store& store, int rank, int world_size,
-                                             std::string prefix)
+C10dStoreCommunicator::C10dStoreCommunicator(c10d::Store& store, int rank, int world_size, std::string prefix)
     : store_(store), rank_(rank), world_size_(world_size), prefix_(std::move(prefix)) {
   if (world_size < 1 || rank < 0 || rank >= world_size) {
-    throw CheckpointError(fmt::format("C10dStoreCommunicator: rank {} of world {} is invalid",
-                                      rank, world_size));
+    throw CheckpointError(fmt::format("C10dStoreCommunicator: rank {} of world {} is invalid", rank, world_size));
   }
 }
 
@@ -21,11 +19,11 @@ std::string C10dStoreCommunicator::key(std::uint64_t seq, std::string_view kind,
   return fmt::format("{}/{}/{}/{}", prefix_, seq, kind, rank);
 }
 
-void C10dStoreCommunicator::fail(std::string_view what, std::uint64_t seq,
-                                 const std::exception& e) const {
-  throw CheckpointError(fmt::format("rank {}: store {} '{}' call {} failed (a peer died, fell out "
-                                    "of step, or the store timed out): {}",
-                                    rank_, what, prefix_, seq, e.what()));
+void C10dStoreCommunicator::fail(std::string_view what, std::uint64_t seq, const std::exception& e) const {
+  throw CheckpointError(
+      fmt::format("rank {}: store {} '{}' call {} failed (a peer died, fell out "
+                  "of step, or the store timed out): {}",
+                  rank_, what, prefix_, seq, e.what()));
 }
 
 namespace {
@@ -83,13 +81,9 @@ std::string C10dStoreCommunicator::broadcast_at(std::uint64_t seq, std::string_v
   }
 }
 
-std::vector<std::string> C10dStoreCommunicator::gather(std::string_view mine) {
-  return gather_at(seq_++, mine);
-}
+std::vector<std::string> C10dStoreCommunicator::gather(std::string_view mine) { return gather_at(seq_++, mine); }
 
-std::string C10dStoreCommunicator::broadcast(std::string_view mine) {
-  return broadcast_at(seq_++, mine);
-}
+std::string C10dStoreCommunicator::broadcast(std::string_view mine) { return broadcast_at(seq_++, mine); }
 
 std::vector<std::string> C10dStoreCommunicator::allgather(std::string_view mine) {
   const std::uint64_t seq = seq_++;
@@ -110,9 +104,10 @@ std::vector<std::string> C10dStoreCommunicator::allgather(std::string_view mine)
     position = colon + 1 + length;
   }
   if (result.size() != static_cast<std::size_t>(world_size_)) {
-    throw CheckpointError(fmt::format("rank {}: store all-gather '{}' call {} returned {} parts "
-                                      "for world {}",
-                                      rank_, prefix_, seq, result.size(), world_size_));
+    throw CheckpointError(
+        fmt::format("rank {}: store all-gather '{}' call {} returned {} parts "
+                    "for world {}",
+                    rank_, prefix_, seq, result.size(), world_size_));
   }
   return result;
 }

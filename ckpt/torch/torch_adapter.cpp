@@ -18,9 +18,10 @@ DType to_dtype(c10::ScalarType type) {
     case c10::ScalarType::Byte: return DType::uint8;
     case c10::ScalarType::Bool: return DType::boolean;
     default:
-      throw CheckpointError(fmt::format("torch dtype {} cannot be checkpointed; convert it to a "
-                                        "supported dtype first",
-                                        c10::toString(type)));
+      throw CheckpointError(
+          fmt::format("torch dtype {} cannot be checkpointed; convert it to a "
+                      "supported dtype first",
+                      c10::toString(type)));
   }
 }
 
@@ -48,15 +49,13 @@ Shape shape_of(const at::Tensor& tensor) {
 
 namespace {
 bool usable_in_place(const at::Tensor& tensor) {
-  return tensor.device().is_cpu() && tensor.is_contiguous() && !tensor.is_conj() &&
-         !tensor.is_neg();
+  return tensor.device().is_cpu() && tensor.is_contiguous() && !tensor.is_conj() && !tensor.is_neg();
 }
 }  // namespace
 
 const at::Tensor& SaveViews::keep(const at::Tensor& tensor) {
   // In place when possible; otherwise one contiguous CPU copy.
-  keep_alive_.push_back(usable_in_place(tensor) ? tensor
-                                                : tensor.detach().to(at::kCPU).contiguous());
+  keep_alive_.push_back(usable_in_place(tensor) ? tensor : tensor.detach().to(at::kCPU).contiguous());
   return keep_alive_.back();
 }
 
@@ -66,12 +65,11 @@ void SaveViews::add_replicated(std::string name, const at::Tensor& tensor) {
   views_.push_back(TensorView::replicated(std::move(name), dtype, shape_of(kept), kept.data_ptr()));
 }
 
-void SaveViews::add_sharded(std::string name, const at::Tensor& local, Shape global_shape,
-                            Shape offset) {
+void SaveViews::add_sharded(std::string name, const at::Tensor& local, Shape global_shape, Shape offset) {
   const DType dtype = to_dtype(local.scalar_type());
   const at::Tensor& kept = keep(local);
-  views_.push_back(TensorView::sharded(std::move(name), dtype, std::move(global_shape),
-                                       std::move(offset), shape_of(kept), kept.data_ptr()));
+  views_.push_back(TensorView::sharded(std::move(name), dtype, std::move(global_shape), std::move(offset),
+                                       shape_of(kept), kept.data_ptr()));
 }
 
 void RestoreTargets::add_whole(std::string name, at::Tensor& tensor) {
@@ -84,12 +82,11 @@ void RestoreTargets::add_box(std::string name, at::Tensor& local, Shape offset) 
   if (usable_in_place(local)) {
     data = local.data_ptr();
   } else {
-    staged_.push_back({local, at::empty(local.sizes(), local.options().device(at::kCPU)
-                                                           .memory_format(at::MemoryFormat::Contiguous))});
+    staged_.push_back({local, at::empty(local.sizes(),
+                                        local.options().device(at::kCPU).memory_format(at::MemoryFormat::Contiguous))});
     data = staged_.back().staging.data_ptr();
   }
-  targets_.push_back(
-      TensorTarget::box(std::move(name), dtype, std::move(offset), shape_of(local), data));
+  targets_.push_back(TensorTarget::box(std::move(name), dtype, std::move(offset), shape_of(local), data));
 }
 
 void RestoreTargets::finish() {

@@ -97,9 +97,7 @@ int env_int(const char* name) {
   return std::stoi(v);
 }
 
-double unix_now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -203,14 +201,16 @@ class EventLog {
   // One line: time, node, run_id, event, rank, then `fields` (the agent's lines start the same way).
   void write(const std::string& event, int rank, const nlohmann::ordered_json& fields) {
     if (fd_ < 0) return;
-    nlohmann::ordered_json line{{"time", unix_now()}, {"node", node_}, {"run_id", run_id_}, {"event", event}, {"rank", rank}};
+    nlohmann::ordered_json line{
+        {"time", unix_now()}, {"node", node_}, {"run_id", run_id_}, {"event", event}, {"rank", rank}};
     for (const auto& [key, value] : fields.items()) line[key] = value;
     std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
     if (text.size() >= 4096) return;  // never split a line (our events are far smaller)
     const ssize_t n = ::write(fd_, text.data(), text.size());
     if (n != static_cast<ssize_t>(text.size()) && !warned_) {
       warned_ = true;
-      fmt::print(stderr, "warning: writing ELASTRUN_EVENTS_FILE failed: {}\n", n < 0 ? std::strerror(errno) : "short write");
+      fmt::print(stderr, "warning: writing ELASTRUN_EVENTS_FILE failed: {}\n",
+                 n < 0 ? std::strerror(errno) : "short write");
     }
   }
 
@@ -318,7 +318,8 @@ class Trainer {
       log("done: {} steps", args_.steps);
       log("final loss {}", std::isnan(loss) ? std::string("nan") : fmt::format("{:.9g}", loss));
       events_.write("train_done", rank_,
-                    {{"step", step}, {"loss", std::isnan(loss) ? nlohmann::json(nullptr) : nlohmann::json(loss)},
+                    {{"step", step},
+                     {"loss", std::isnan(loss) ? nlohmann::json(nullptr) : nlohmann::json(loss)},
                      {"world_size", world_}});
     }
     return 0;
@@ -366,7 +367,8 @@ class Trainer {
     const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (fd < 0) {
       if (errno == EEXIST) return;  // failed once already in this job
-      throw std::runtime_error(fmt::format("--fail-at-step: cannot create {}: {}", marker.string(), std::strerror(errno)));
+      throw std::runtime_error(
+          fmt::format("--fail-at-step: cannot create {}: {}", marker.string(), std::strerror(errno)));
     }
     ::fsync(fd);
     ::close(fd);
@@ -375,8 +377,8 @@ class Trainer {
       ::fsync(dir);
       ::close(dir);
     }
-    log("--fail-at-step {}:{}: failing on purpose at step {} (exit 1; marker {})", args_.fail_step,
-        args_.fail_rank, step, marker.string());
+    log("--fail-at-step {}:{}: failing on purpose at step {} (exit 1; marker {})", args_.fail_step, args_.fail_rank,
+        step, marker.string());
     std::fflush(stderr);
     std::_Exit(1);
   }
@@ -394,8 +396,10 @@ class Trainer {
       torch::NoGradGuard no_grad;
       for (std::size_t q = 0; q < params_.size(); ++q) {
         const auto& g = params_[q].grad();
-        if (g.defined()) grads_[q].copy_(g);
-        else grads_[q].zero_();
+        if (g.defined())
+          grads_[q].copy_(g);
+        else
+          grads_[q].zero_();
       }
     }
     if (args_.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(args_.step_ms));
@@ -495,10 +499,15 @@ class Trainer {
         if (rank_ == 0)
           log("checkpoint step {} -> {} (blocked {:.3f} s, durable after {:.3f} s)", step,
               result ? result->path.string() : std::string("?"), blocked, durable);
-        if (result) for (const auto& w : result->warnings) if (rank_ == 0) log("checkpoint warning: {}", w);
+        if (result)
+          for (const auto& w : result->warnings)
+            if (rank_ == 0) log("checkpoint warning: {}", w);
         events_.write("checkpoint_saved", rank_,
-                      {{"step", step}, {"bytes", result ? result->bytes_written : 0}, {"blocked_s", blocked},
-                       {"durable_s", durable}, {"world_size", world_}});
+                      {{"step", step},
+                       {"bytes", result ? result->bytes_written : 0},
+                       {"blocked_s", blocked},
+                       {"durable_s", durable},
+                       {"world_size", world_}});
       } catch (const std::exception& e) {
         log("checkpoint of step {} failed: {}", step, e.what());
         std::string what = e.what();
@@ -544,14 +553,16 @@ class Trainer {
       return 0;
     }
     targets.finish();
-    for (const auto& why : restored->skipped) if (rank_ == 0) log("skipped a checkpoint: {}", why);
+    for (const auto& why : restored->skipped)
+      if (rank_ == 0) log("skipped a checkpoint: {}", why);
     const auto& meta = restored->metadata;
     const auto step = meta.at("step").get<std::uint64_t>();
     if (meta.contains("seed") && meta.at("seed").get<std::uint64_t>() != args_.seed)
-      throw std::runtime_error(fmt::format("the checkpoint in {} was trained with --seed {}, not {}: pass --seed {} "
-                                           "or use another --ckpt-dir",
-                                           restored->path.string(), meta.at("seed").get<std::uint64_t>(),
-                                           args_.seed, meta.at("seed").get<std::uint64_t>()));
+      throw std::runtime_error(
+          fmt::format("the checkpoint in {} was trained with --seed {}, not {}: pass --seed {} "
+                      "or use another --ckpt-dir",
+                      restored->path.string(), meta.at("seed").get<std::uint64_t>(), args_.seed,
+                      meta.at("seed").get<std::uint64_t>()));
     next_sample_ = meta.value("next_sample", step * args_.global_batch);
     if (meta.contains("loss") && meta.at("loss").is_number()) resumed_loss_ = meta.at("loss").get<double>();
     if (rank_ == 0 && meta.value("global_batch", args_.global_batch) != args_.global_batch)
@@ -560,9 +571,9 @@ class Trainer {
     const int saved_world = meta.value("world_size", 0);
     if (rank_ == 0) {
       log("resumed from step {} (saved by a world of {}, now {})", step, saved_world, world_);
-      events_.write("resumed", rank_,
-                    {{"step", step}, {"world_size", world_}, {"saved_world_size", saved_world},
-                     {"next_sample", next_sample_}});
+      events_.write(
+          "resumed", rank_,
+          {{"step", step}, {"world_size", world_}, {"saved_world_size", saved_world}, {"next_sample", next_sample_}});
     }
     return step;
   }
@@ -601,8 +612,8 @@ void start_sigterm_watchdog(double grace) {
       if (!g_sigterm) continue;
       if (!since) since = Clock::now();
       if (g_stop_saving || seconds_since(*since) < grace) continue;
-      fmt::print(stderr, "{}SIGTERM: not stopped after {:.1f} s (blocked in a collective?); exiting {}\n",
-                 prefix, grace, kSigtermExitCode);
+      fmt::print(stderr, "{}SIGTERM: not stopped after {:.1f} s (blocked in a collective?); exiting {}\n", prefix,
+                 grace, kSigtermExitCode);
       std::fflush(stdout);
       std::fflush(stderr);
       std::_Exit(kSigtermExitCode);
@@ -616,7 +627,8 @@ int main(int argc, char** argv) {
   Args args;
   CLI::App app{"The reference elastic libtorch trainer for the elastrun worker contract (docs/trainer.md)"};
   app.add_option("--steps", args.steps, "train until this step")->check(CLI::PositiveNumber);
-  app.add_option("--ckpt-dir", args.ckpt_dir, "checkpoint directory (default: $ELASTRUN_CHECKPOINT_DIR; none: no checkpoints)");
+  app.add_option("--ckpt-dir", args.ckpt_dir,
+                 "checkpoint directory (default: $ELASTRUN_CHECKPOINT_DIR; none: no checkpoints)");
   app.add_option("--ckpt-every", args.ckpt_every, "save every N steps (0: only at the end and when asked)");
   app.add_option("--step-ms", args.step_ms, "sleep this long in each step")->check(CLI::NonNegativeNumber);
   app.add_option("--hidden", args.hidden, "hidden layer width")->check(CLI::PositiveNumber);

@@ -98,17 +98,19 @@ State Agent::rendezvous() {
     if (events_.enabled()) {
       nlohmann::json members = nlohmann::json::array();
       for (const auto& m : r.members()) members.push_back(m.node_name);
-      events_.emit("round", {{"generation", r.generation}, {"world_size", r.world_size},
-                             {"group_rank", r.group_rank}, {"group_world_size", r.group_world_size},
-                             {"members", members}, {"formation_ms", formation_ms},
+      events_.emit("round", {{"generation", r.generation},
+                             {"world_size", r.world_size},
+                             {"group_rank", r.group_rank},
+                             {"group_world_size", r.group_world_size},
+                             {"members", members},
+                             {"formation_ms", formation_ms},
                              {"master", fmt::format("{}:{}", r.master_addr, r.master_port)},
                              {"restart_count", restart_count_}});
     }
-    log_state("RENDEZVOUS", fmt::format("round {} formed in {} ms: group rank {} of {}, ranks {}..{} of {}, master {}:{}",
-                                        r.generation, formation_ms,
-                                        r.group_rank, r.group_world_size, r.rank_offset,
-                                        r.rank_offset + o_.nproc_per_node - 1, r.world_size, r.master_addr,
-                                        r.master_port));
+    log_state("RENDEZVOUS",
+              fmt::format("round {} formed in {} ms: group rank {} of {}, ranks {}..{} of {}, master {}:{}",
+                          r.generation, formation_ms, r.group_rank, r.group_world_size, r.rank_offset,
+                          r.rank_offset + o_.nproc_per_node - 1, r.world_size, r.master_addr, r.master_port));
     return State::StartWorkers;
   } catch (const RendezvousClosed& e) {
     if (rdzv_->current().group_world_size > 0 && outcome_of_close(e.reason()) != JobOutcome::Succeeded) {
@@ -130,11 +132,16 @@ State Agent::rendezvous() {
 State Agent::start_workers() {
   const fs::path attempt_dir = attempt_base_ / fmt::format("attempt_{}", attempt_);
   open_control_channel(attempt_dir);
-  const AttemptContext attempt{.options = o_, .round = rdzv_->current(), .run_id = plan_.run_id,
-                               .node_name = plan_.me.node_name, .control_file = control_path_,
+  const AttemptContext attempt{.options = o_,
+                               .round = rdzv_->current(),
+                               .run_id = plan_.run_id,
+                               .node_name = plan_.me.node_name,
+                               .control_file = control_path_,
                                .events_file = events_.path(),
-                               .restart_count = restart_count_, .attempt_dir = attempt_dir,
-                               .program_path = command_path_, .argv = command_argv_};
+                               .restart_count = restart_count_,
+                               .attempt_dir = attempt_dir,
+                               .program_path = command_path_,
+                               .argv = command_argv_};
   auto specs = worker_specs(attempt, inherited_environment(environ));
   error_files_.clear();
   for (const auto& spec : specs) error_files_.push_back(spec.error_file);
@@ -145,9 +152,11 @@ State Agent::start_workers() {
   for (auto p : group_->pids()) pids += fmt::format("{}{}", pids.empty() ? "" : ",", p);
   log_state("START_WORKERS", fmt::format("attempt {} restart {}: {} worker(s) pids {} ({})", attempt_, restart_count_,
                                          o_.nproc_per_node, pids, command_path_));
-  events_.emit("workers_started", {{"attempt", attempt_}, {"restart_count", restart_count_},
-                                   {"ranks", {rdzv_->current().rank_offset, rdzv_->current().rank_offset + o_.nproc_per_node - 1}},
-                                   {"pids", group_->pids()}});
+  events_.emit("workers_started",
+               {{"attempt", attempt_},
+                {"restart_count", restart_count_},
+                {"ranks", {rdzv_->current().rank_offset, rdzv_->current().rank_offset + o_.nproc_per_node - 1}},
+                {"pids", group_->pids()}});
   ++attempt_;
   return State::Monitor;
 }
@@ -219,15 +228,18 @@ State Agent::failed() {
     if (!e.ok()) record(e);
   }
   auto action = next_failed_action(seen);
-  for (; action == FailedAction::ClaimRestart || action == FailedAction::CountRestart; action = next_failed_action(seen)) {
+  for (; action == FailedAction::ClaimRestart || action == FailedAction::CountRestart;
+       action = next_failed_action(seen)) {
     if (action == FailedAction::ClaimRestart)
       seen.claims = rdzv_->add_to_counter(fmt::format("restart-claim/{}", rdzv_->current().generation), 1);
     else
       seen.restarts = rdzv_->add_to_counter("restarts", 1);
   }
   Change change = seen.settle_change;
-  events_.emit("failure_decision", {{"action", to_string(action)}, {"settle_change", to_string(seen.settle_change)},
-                                    {"restarts", seen.restarts.value_or(-1)}, {"max_restarts", o_.max_restarts}});
+  events_.emit("failure_decision", {{"action", to_string(action)},
+                                    {"settle_change", to_string(seen.settle_change)},
+                                    {"restarts", seen.restarts.value_or(-1)},
+                                    {"max_restarts", o_.max_restarts}});
   switch (action) {
     case FailedAction::ExitClosed:  // someone gave up: stop, report, exit with the close reason
       break;
@@ -242,8 +254,8 @@ State Agent::failed() {
       break;
     case FailedAction::GiveUp: {
       // tell the other agents first, then stop our workers
-      const auto reason = close_reason(
-          JobOutcome::Failed, fmt::format("{} (--max-restarts={} used up)", failures_.first().one_line(), o_.max_restarts));
+      const auto reason = close_reason(JobOutcome::Failed, fmt::format("{} (--max-restarts={} used up)",
+                                                                       failures_.first().one_line(), o_.max_restarts));
       try {
         rdzv_->publish("requeue-request", to_string(FailureClass::App));  // for group rank 0
       } catch (const std::exception& e) {
@@ -262,8 +274,7 @@ State Agent::failed() {
       log_state("RESTART", fmt::format("restart {} of {} (job-wide)", *seen.restarts, o_.max_restarts));
       break;
     case FailedAction::ClaimRestart:
-    case FailedAction::CountRestart:
-      break;  // consumed by the loop above
+    case FailedAction::CountRestart: break;  // consumed by the loop above
   }
   spdlog::info("stopping local workers (grace {} ms)", o_.stop_grace.count());
   stop_workers(o_.stop_grace);
@@ -308,7 +319,8 @@ State Agent::succeeded() {
     spdlog::warn("warning: exit barrier: {}", e.what());
   }
   if (!passed)
-    spdlog::warn("warning: not every node reached the exit barrier within {} s", o_.exit_barrier_timeout.count() / 1000);
+    spdlog::warn("warning: not every node reached the exit barrier within {} s",
+                 o_.exit_barrier_timeout.count() / 1000);
   if (rdzv_->current().group_rank == 0) {
     try {
       rdzv_->close(close_reason(JobOutcome::Succeeded));
@@ -333,7 +345,8 @@ void Agent::open_control_channel(const fs::path& attempt_dir) {
 }
 
 void Agent::write_control(elastrun::control::Request request) {
-  const elastrun::control::Status status{request, request == elastrun::control::Request::None ? 0 : ++control_sequence_};
+  const elastrun::control::Status status{request,
+                                         request == elastrun::control::Request::None ? 0 : ++control_sequence_};
   if (!elastrun::control::write_file(control_path_, status))
     throw std::system_error(errno, std::generic_category(), "writing the control file " + control_path_);
 }
@@ -365,8 +378,11 @@ void Agent::log_state(std::string_view name, const std::string& what) {
 }
 
 void Agent::record_exit(const WorkerExit& e) {
-  events_.emit("worker_exit", {{"rank", e.global_rank}, {"local_rank", e.local_rank}, {"pid", e.pid},
-                               {"exit_code", e.exit_code}, {"signal", e.signal ? signal_name(e.signal) : ""}});
+  events_.emit("worker_exit", {{"rank", e.global_rank},
+                               {"local_rank", e.local_rank},
+                               {"pid", e.pid},
+                               {"exit_code", e.exit_code},
+                               {"signal", e.signal ? signal_name(e.signal) : ""}});
 }
 
 }  // namespace elastrun::launcher

@@ -95,7 +95,7 @@ class Agent {
   void print_summary() { failures_.print_summary(rdzv_.get(), plan_.run_id, o_.max_restarts); }
   int closed_exit(const rdzv::RendezvousClosed& closed);
   void log_state(std::string_view name, const std::string& what);  // and its event
-  void record_exit(const WorkerExit& e);  // the event of every worker exit
+  void record_exit(const WorkerExit& e);                           // the event of every worker exit
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
   void ask_checkpoint_stop(int sig);  // a checkpoint signal reached us while workers ran
@@ -123,8 +123,8 @@ class Agent {
   FailureReport failures_;
   EventLog events_;
   std::optional<WorkerGroup> group_;
-  std::vector<std::string> error_files_;  // this attempt's, by local rank
-  std::vector<WorkerExit> attempt_exits_;  // this attempt's exits seen in MONITOR
+  std::vector<std::string> error_files_;      // this attempt's, by local rank
+  std::vector<WorkerExit> attempt_exits_;     // this attempt's exits seen in MONITOR
   rdzv::Change change_ = rdzv::Change::None;  // what MONITOR saw, for MEMBERSHIP_CHANGED
   Clock::time_point change_seen_{};           // when MONITOR saw it
   int rc_ = 1;

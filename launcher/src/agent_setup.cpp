@@ -32,7 +32,6 @@ void ensure_std_fds() {
   }
 }
 
-
 }  // namespace
 
 TempDir::TempDir() {
@@ -66,14 +65,13 @@ void Agent::resolve_command() {
 
 void Agent::bootstrap() {
   const bool etcd = uses_etcd(o_.rdzv_backend);
-  const bool standalone =
-      o_.standalone || (!etcd && !env_.slurm && o_.rdzv_endpoint.empty() && o_.master_addr.empty() &&
-                        o_.max_nodes.value_or(1) == 1);
+  const bool standalone = o_.standalone || (!etcd && !env_.slurm && o_.rdzv_endpoint.empty() &&
+                                            o_.master_addr.empty() && o_.max_nodes.value_or(1) == 1);
   std::string endpoint = o_.rdzv_endpoint;
   if (endpoint.empty() && !o_.master_addr.empty())
     endpoint = fmt::format("{}:{}", o_.master_addr, o_.master_port.value_or(29500));
-  const BootstrapOverrides overrides{.endpoint = endpoint, .run_id = o_.rdzv_id, .is_host = o_.is_host,
-                                     .nproc = o_.nproc_per_node, .role = o_.role};
+  const BootstrapOverrides overrides{
+      .endpoint = endpoint, .run_id = o_.rdzv_id, .is_host = o_.is_host, .nproc = o_.nproc_per_node, .role = o_.role};
   if (standalone) {
     auth_ = o_.rdzv_auth == "auto" ? AuthConfig{} : auth_from_option(o_.rdzv_auth);
     plan_ = plan_standalone(env_, overrides);
@@ -99,14 +97,18 @@ void Agent::bootstrap() {
     hb = std::make_unique<EtcdKv>(endpoint);
   } else {
     stores_ = start_agent_stores(plan_, auth_);
-    if (stores_.primary && !standalone) spdlog::info("hosting the rendezvous store on port {}", stores_.primary->port());
+    if (stores_.primary && !standalone)
+      spdlog::info("hosting the rendezvous store on port {}", stores_.primary->port());
     if (standalone) plan_.store_port = stores_.primary->port();
     connector = store_connector(auth_, plan_.run_id);
     kv = connect_store(plan_, auth_, o_.join_timeout);
     hb = connect_store(plan_, auth_, o_.join_timeout);
   }
-  RendezvousConfig config{.run_id = plan_.run_id, .min_nodes = min_nodes_, .max_nodes = max_nodes_,
-                          .join_timeout = o_.join_timeout, .last_call_timeout = o_.last_call_timeout,
+  RendezvousConfig config{.run_id = plan_.run_id,
+                          .min_nodes = min_nodes_,
+                          .max_nodes = max_nodes_,
+                          .join_timeout = o_.join_timeout,
+                          .last_call_timeout = o_.last_call_timeout,
                           .heartbeat_timeout = o_.heartbeat_timeout};
   rdzv_ = std::make_unique<Rendezvous>(std::move(kv), std::move(hb), config, plan_.me, connector);
   spdlog::info("run '{}', backend {}{}, store {}:{}, nodes {}:{}, {} worker(s) per node", plan_.run_id,
@@ -154,8 +156,8 @@ int run_agent(int argc, char** argv) {
   }
   AgentOptions options;
   try {
-    if (parse_agent_options(argc, argv, env ? env->pet_overrides : std::map<std::string, std::string>{},
-                            options) == ParseOutcome::Exit0)
+    if (parse_agent_options(argc, argv, env ? env->pet_overrides : std::map<std::string, std::string>{}, options) ==
+        ParseOutcome::Exit0)
       return 0;
   } catch (const UsageError& e) {
     fmt::print(stderr, "elastrun: error: {}; run 'elastrun --help'\n", e.what());
@@ -167,7 +169,7 @@ int run_agent(int argc, char** argv) {
   }
   try {
     ensure_std_fds();
-    struct sigaction ign{};
+    struct sigaction ign {};
     ign.sa_handler = SIG_IGN;
     if (::sigaction(SIGPIPE, &ign, nullptr) != 0) throw std::system_error(errno, std::generic_category(), "sigaction");
     // orphaned grandchildren of workers are reparented to us, so we can reap and kill them

@@ -80,7 +80,8 @@ bool Agent::stop_requested_elsewhere() {
   const auto cls = j.value("class", std::string());
   stop_class_ = failure_class_from_string(cls).value_or(FailureClass::TimeLimit);
   stop_signal_ = j.value("signal", 0);
-  stop_reason_ = fmt::format("requested by node {} ({})", j.value("node", std::string("?")), j.value("reason", std::string("?")));
+  stop_reason_ =
+      fmt::format("requested by node {} ({})", j.value("node", std::string("?")), j.value("reason", std::string("?")));
   return true;
 }
 
@@ -91,11 +92,15 @@ State Agent::checkpoint_stop() {
   signals_.set_checkpoint_stopping(true);
   const bool channel_read = fs::exists(control_path_ + elastrun::control::kSeenSuffix);
   log_state("CHECKPOINT_STOP", fmt::format("class {}: {}", to_string(stop_class_), stop_reason_));
-  events_.emit("checkpoint_request", {{"kind", "stop"}, {"class", to_string(stop_class_)}, {"reason", stop_reason_},
+  events_.emit("checkpoint_request", {{"kind", "stop"},
+                                      {"class", to_string(stop_class_)},
+                                      {"reason", stop_reason_},
                                       {"signal", stop_signal_ ? signal_name(stop_signal_) : ""}});
   try {
-    nlohmann::json request = {{"class", std::string(to_string(stop_class_))}, {"node", plan_.me.node_name},
-                              {"reason", stop_reason_}, {"signal", stop_signal_}};
+    nlohmann::json request = {{"class", std::string(to_string(stop_class_))},
+                              {"node", plan_.me.node_name},
+                              {"reason", stop_reason_},
+                              {"signal", stop_signal_}};
     rdzv_->publish("stop-request", request.dump(), /*only_if_absent=*/true);
   } catch (const std::exception& e) {
     spdlog::warn("warning: publishing the stop request to the other agents: {}", e.what());
@@ -114,8 +119,10 @@ State Agent::checkpoint_stop() {
   std::vector<WorkerExit> exits = std::move(attempt_exits_);
   attempt_exits_.clear();
   if (((!channel_read || !written) && !o_.forward_signals) && !group_->all_exited()) {
-    spdlog::info("the workers never polled {} (elastrun/control.hpp, elastrun_control.py): stopping them without "
-                 "a checkpoint (grace {} ms)", control_path_, o_.stop_grace.count());
+    spdlog::info(
+        "the workers never polled {} (elastrun/control.hpp, elastrun_control.py): stopping them without "
+        "a checkpoint (grace {} ms)",
+        control_path_, o_.stop_grace.count());
   } else {
     spdlog::info("wrote checkpoint-and-stop to {}; waiting up to {} s for the workers to exit {}", control_path_,
                  o_.checkpoint_timeout.count() / 1000, kCheckpointedExitCode);
@@ -123,9 +130,12 @@ State Agent::checkpoint_stop() {
     while (true) {
       for (auto& e : group_->poll_exits()) {
         record_exit(e);
-        if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
-        else if (e.ok()) spdlog::info("worker {} exited 0", e.global_rank);
-        else record(e);
+        if (e.signal == 0 && e.exit_code == kCheckpointedExitCode)
+          spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
+        else if (e.ok())
+          spdlog::info("worker {} exited 0", e.global_rank);
+        else
+          record(e);
         exits.push_back(std::move(e));
       }
       if (group_->all_exited()) break;
@@ -144,12 +154,17 @@ State Agent::checkpoint_stop() {
   for (auto& e : stop_workers(o_.stop_grace)) exits.push_back(std::move(e));
   int checkpointed = 0, succeeded = 0;
   for (const auto& e : exits) {
-    if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) ++checkpointed;
-    else if (e.ok()) ++succeeded;
+    if (e.signal == 0 && e.exit_code == kCheckpointedExitCode)
+      ++checkpointed;
+    else if (e.ok())
+      ++succeeded;
   }
   const int local = o_.nproc_per_node;
-  events_.emit("checkpoint_outcome", {{"kind", "stop"}, {"checkpointed", checkpointed}, {"finished", succeeded},
-                                      {"local_workers", local}, {"complete", checkpointed > 0 && checkpointed + succeeded == local}});
+  events_.emit("checkpoint_outcome", {{"kind", "stop"},
+                                      {"checkpointed", checkpointed},
+                                      {"finished", succeeded},
+                                      {"local_workers", local},
+                                      {"complete", checkpointed > 0 && checkpointed + succeeded == local}});
   if (succeeded == local) {
     spdlog::info("every local worker finished (exit 0) instead of checkpointing: the job succeeded");
     signals_.set_checkpoint_stopping(false);
@@ -214,17 +229,21 @@ Change Agent::checkpoint_before_scale_up() {
         spdlog::info("worker {} exited 0", e.global_rank);
       } else {
         // not counted against --max-restarts: the round is being re-formed anyway
-        spdlog::warn("warning: worker {} {} during the scale-up checkpoint", e.global_rank,
-                     e.signal ? fmt::format("died of {}", signal_name(e.signal)) : fmt::format("exited {}", e.exit_code));
+        spdlog::warn(
+            "warning: worker {} {} during the scale-up checkpoint", e.global_rank,
+            e.signal ? fmt::format("died of {}", signal_name(e.signal)) : fmt::format("exited {}", e.exit_code));
       }
     }
     if (group_->all_exited()) {
       spdlog::info("scale-up: {} of {} local worker(s) checkpointed", checkpointed, o_.nproc_per_node);
-      events_.emit("checkpoint_outcome", {{"kind", "scale_up"}, {"checkpointed", checkpointed},
-                                          {"local_workers", o_.nproc_per_node}, {"complete", checkpointed == o_.nproc_per_node}});
+      events_.emit("checkpoint_outcome", {{"kind", "scale_up"},
+                                          {"checkpointed", checkpointed},
+                                          {"local_workers", o_.nproc_per_node},
+                                          {"complete", checkpointed == o_.nproc_per_node}});
       break;
     }
-    if (signals_.stop_signal() || signals_.checkpoint_signal()) return Change::MemberWaiting;  // the next state handles it
+    if (signals_.stop_signal() || signals_.checkpoint_signal())
+      return Change::MemberWaiting;  // the next state handles it
     if (Clock::now() >= deadline) {
       spdlog::warn("warning: the workers did not all checkpoint within --checkpoint-timeout={} s: stopping them",
                    o_.checkpoint_timeout.count() / 1000);
@@ -244,8 +263,9 @@ Change Agent::checkpoint_before_scale_up() {
     auto done = rdzv_->add_to_counter(key, 1);
     for (; done < round.group_world_size; done = rdzv_->add_to_counter(key, 0)) {
       if (Clock::now() >= deadline) {
-        spdlog::warn("warning: {} of {} node(s) finished the scale-up checkpoint within --checkpoint-timeout; re-forming",
-                     done, round.group_world_size);
+        spdlog::warn(
+            "warning: {} of {} node(s) finished the scale-up checkpoint within --checkpoint-timeout; re-forming", done,
+            round.group_world_size);
         break;
       }
       if (const Change c = rdzv_->wait_for_change(Millis(50)); c != Change::None && c != Change::MemberWaiting) {
@@ -267,8 +287,10 @@ Change Agent::checkpoint_before_scale_up() {
 
 bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal) {
   const bool requeued = requeue_job(env_.slurm ? &*env_.slurm : nullptr, o_, cls, exclude, signal);
-  events_.emit("requeue", {{"class", to_string(cls)}, {"signal", signal ? signal_name(signal) : ""},
-                           {"exclude", exclude}, {"requeued", requeued}});
+  events_.emit("requeue", {{"class", to_string(cls)},
+                           {"signal", signal ? signal_name(signal) : ""},
+                           {"exclude", exclude},
+                           {"requeued", requeued}});
   return requeued;
 }
 

@@ -16,10 +16,8 @@ namespace elastrun::launcher {
 
 std::string event_line(double unix_seconds, std::string_view node, std::string_view run_id, std::string_view event,
                        const nlohmann::json& fields) {
-  nlohmann::ordered_json j = {{"time", std::round(unix_seconds * 1000.0) / 1000.0},
-                      {"node", node},
-                      {"run_id", run_id},
-                      {"event", event}};
+  nlohmann::ordered_json j = {
+      {"time", std::round(unix_seconds * 1000.0) / 1000.0}, {"node", node}, {"run_id", run_id}, {"event", event}};
   if (fields.is_object())
     for (const auto& [key, value] : fields.items()) j[key] = value;
   return j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);

@@ -17,16 +17,23 @@ std::string Failure::how() const {
 
 std::string Failure::one_line() const {
   std::string line = fmt::format("rank {} (local rank {}, node {}) {}", rank, local_rank, node, how());
-  if (!exec_error.empty()) line += ": " + exec_error;
-  else if (error && !error->message.empty()) line += ": " + error->message;
+  if (!exec_error.empty())
+    line += ": " + exec_error;
+  else if (error && !error->message.empty())
+    line += ": " + error->message;
   return line;
 }
 
 nlohmann::json Failure::to_json() const {
   nlohmann::json j = {
       {"time_ms", std::chrono::duration_cast<std::chrono::milliseconds>(when.time_since_epoch()).count()},
-      {"node", node}, {"rank", rank}, {"local_rank", local_rank}, {"exit_code", exit_code},
-      {"signal", signal}, {"restart_count", restart_count}, {"error_file", error_file},
+      {"node", node},
+      {"rank", rank},
+      {"local_rank", local_rank},
+      {"exit_code", exit_code},
+      {"signal", signal},
+      {"restart_count", restart_count},
+      {"error_file", error_file},
       {"exec_error", exec_error}};
   if (error) j["error"] = {{"message", error->message}, {"traceback", error->traceback.substr(0, 4096)}};
   return j;
@@ -46,7 +53,8 @@ std::optional<Failure> Failure::from_json(const std::string& text) {
   f.error_file = j.value("error_file", std::string());
   f.exec_error = j.value("exec_error", std::string());
   if (j.contains("error") && j["error"].is_object())
-    f.error = ErrorFileInfo{j["error"].value("message", std::string()), j["error"].value("traceback", std::string()), {}};
+    f.error =
+        ErrorFileInfo{j["error"].value("message", std::string()), j["error"].value("traceback", std::string()), {}};
   return f;
 }
 
@@ -71,8 +79,8 @@ std::string iso_time(std::chrono::system_clock::time_point t) {
   return fmt::format("{:%Y-%m-%dT%H:%M:%S}.{:03}Z", fmt::gmtime(std::chrono::system_clock::to_time_t(t)), ms);
 }
 
-std::vector<std::string> summary_lines(const std::string& run_id, const std::vector<Failure>& failures,
-                                       bool job_wide, int max_restarts) {
+std::vector<std::string> summary_lines(const std::string& run_id, const std::vector<Failure>& failures, bool job_wide,
+                                       int max_restarts) {
   if (failures.empty()) return {};
   const auto by_time = [](const Failure& a, const Failure& b) { return a.when < b.when; };
   const auto root = std::min_element(failures.begin(), failures.end(), by_time);
@@ -100,9 +108,10 @@ std::vector<std::string> summary_lines(const std::string& run_id, const std::vec
       }
     }
   } else if (!root->error_file.empty()) {
-    out.push_back(fmt::format("  error file : {} (not written; decorate main with "
-                              "torch.distributed.elastic.multiprocessing.errors.record)",
-                              root->error_file));
+    out.push_back(
+        fmt::format("  error file : {} (not written; decorate main with "
+                    "torch.distributed.elastic.multiprocessing.errors.record)",
+                    root->error_file));
   }
   if (failures.size() > 1) {
     out.push_back(job_wide ? "other failures (all nodes, by time):" : "other failures on this node:");

@@ -50,8 +50,8 @@ std::string iso_time(std::chrono::system_clock::time_point t);
 
 // The summary's lines (banner included), root cause first. `job_wide`: the failures are every
 // node's (group rank 0), else this node's. Empty for no failures.
-std::vector<std::string> summary_lines(const std::string& run_id, const std::vector<Failure>& failures,
-                                       bool job_wide, int max_restarts);
+std::vector<std::string> summary_lines(const std::string& run_id, const std::vector<Failure>& failures, bool job_wide,
+                                       int max_restarts);
 
 // This agent's failures, and the job-wide view through the rendezvous store.
 class FailureReport {

@@ -27,8 +27,8 @@ Millis seconds_option(const std::string& flag, const std::string& text) {
   char* end = nullptr;
   errno = 0;
   double seconds = std::strtod(text.c_str(), &end);
-  if (text.empty() || end != text.c_str() + text.size() || errno != 0 || !std::isfinite(seconds) ||
-      seconds < 0 || seconds > 86400.0 * 365)
+  if (text.empty() || end != text.c_str() + text.size() || errno != 0 || !std::isfinite(seconds) || seconds < 0 ||
+      seconds > 86400.0 * 365)
     throw UsageError(fmt::format("{}='{}' is not a number of seconds (e.g. 30 or 0.5)", flag, text));
   return Millis(static_cast<long long>(std::llround(seconds * 1000.0)));
 }
@@ -66,7 +66,8 @@ int parse_nproc(const std::string& text) {
   }
   auto n = to_long(text);
   if (!n || *n < 1 || *n > 4096)
-    throw UsageError(fmt::format("--nproc-per-node='{}' must be a number of processes (1-4096), auto, cpu or gpu", text));
+    throw UsageError(
+        fmt::format("--nproc-per-node='{}' must be a number of processes (1-4096), auto, cpu or gpu", text));
   return static_cast<int>(*n);
 }
 
@@ -90,24 +91,26 @@ void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
   for (auto item : util::split_list(text)) {
     if (item.empty()) continue;
     auto eq = item.find('=');
-    if (eq == std::string_view::npos)
-      throw UsageError(fmt::format("--rdzv-conf: '{}' is not KEY=VALUE", item));
+    if (eq == std::string_view::npos) throw UsageError(fmt::format("--rdzv-conf: '{}' is not KEY=VALUE", item));
     std::string key(item.substr(0, eq)), value(item.substr(eq + 1));
     const std::string flag = "--rdzv-conf " + key;
-    if (key == "join_timeout") o.join_timeout = seconds_option(flag, value);
-    else if (key == "last_call_timeout") o.last_call_timeout = seconds_option(flag, value);
-    else if (key == "heartbeat_timeout") o.heartbeat_timeout = seconds_option(flag, value);
-    else if (key == "is_host") o.is_host = parse_bool(flag, value);
-    else if (key == "read_timeout" || key == "close_timeout" || key == "timeout" ||
-             key == "keep_alive_interval" || key == "keep_alive_max_attempt" || key == "store_type" ||
-             key == "use_agent_store" || key == "protocol" || key == "cacert" || key == "cert" || key == "key")
+    if (key == "join_timeout")
+      o.join_timeout = seconds_option(flag, value);
+    else if (key == "last_call_timeout")
+      o.last_call_timeout = seconds_option(flag, value);
+    else if (key == "heartbeat_timeout")
+      o.heartbeat_timeout = seconds_option(flag, value);
+    else if (key == "is_host")
+      o.is_host = parse_bool(flag, value);
+    else if (key == "read_timeout" || key == "close_timeout" || key == "timeout" || key == "keep_alive_interval" ||
+             key == "keep_alive_max_attempt" || key == "store_type" || key == "use_agent_store" || key == "protocol" ||
+             key == "cacert" || key == "cert" || key == "key")
       o.ignored_rdzv_conf.push_back(key);
     else
       throw UsageError(fmt::format(
           "--rdzv-conf: unknown key '{}' (known: join_timeout, last_call_timeout, heartbeat_timeout, is_host)", key));
   }
-  if (o.heartbeat_timeout < Millis(200))
-    throw UsageError("--rdzv-conf heartbeat_timeout must be at least 0.2 s");
+  if (o.heartbeat_timeout < Millis(200)) throw UsageError("--rdzv-conf heartbeat_timeout must be at least 0.2 s");
 }
 
 }  // namespace
@@ -147,7 +150,8 @@ std::optional<RdzvBackend> rdzv_backend_from_string(std::string_view name) {
 std::array<std::int64_t, kFailureClasses> parse_requeue_budget(const std::string& text,
                                                                std::array<std::int64_t, kFailureClasses> budget) {
   const auto bad = [&](std::string_view why) {
-    return UsageError(fmt::format("--requeue-budget='{}': {} (e.g. app:0,node:3,timelimit:inf,preempt:inf)", text, why));
+    return UsageError(
+        fmt::format("--requeue-budget='{}': {} (e.g. app:0,node:3,timelimit:inf,preempt:inf)", text, why));
   };
   for (auto item : util::split_list(text)) {
     auto colon = item.find(':');
@@ -169,8 +173,8 @@ std::array<std::int64_t, kFailureClasses> parse_requeue_budget(const std::string
 
 StreamSpec parse_stream_spec(const std::string& flag, const std::string& text) {
   const auto bad = [&] {
-    return UsageError(fmt::format(
-        "{}='{}': use 0 (none), 1 (stdout), 2 (stderr), 3 (both), or LOCAL_RANK:N,...", flag, text));
+    return UsageError(
+        fmt::format("{}='{}': use 0 (none), 1 (stdout), 2 (stderr), 3 (both), or LOCAL_RANK:N,...", flag, text));
   };
   const auto value = [&](std::string_view v) {
     auto n = to_long(v);
@@ -210,8 +214,8 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
       "$ELASTRUN_CONTROL_FILE. See docs/launcher.md.");
 
   std::string rdzv_backend = "c10d", requeue_budget, checkpoint_timeout = "300", scale_up_checkpoint = "true";
-  std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300",
-              redirects = "0", tee = "0", ranks_filter, node_rank, master_port;
+  std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300", redirects = "0",
+                      tee = "0", ranks_filter, node_rank, master_port;
   app.add_option("--nnodes", nnodes, "N or MIN:MAX nodes (default: the Slurm step's node count, else 1)");
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers per node: N, auto, cpu or gpu (default 1)");
   app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend,
@@ -225,7 +229,8 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   app.add_flag("--standalone", o.standalone, "one machine: an in-process store on 127.0.0.1, no Slurm needed");
   app.add_option("--max-restarts,--max_restarts", o.max_restarts, "worker failures tolerated, job-wide (default 0)");
   app.add_option("--monitor-interval,--monitor_interval", monitor, "seconds between worker checks (default 0.1)");
-  app.add_option("--stop-grace,--stop_grace", grace, "seconds between SIGTERM and SIGKILL when stopping workers (default 5)");
+  app.add_option("--stop-grace,--stop_grace", grace,
+                 "seconds between SIGTERM and SIGKILL when stopping workers (default 5)");
   app.add_option("--exit-barrier-timeout,--exit_barrier_timeout", exit_barrier,
                  "seconds to wait for the other nodes after local success (default 300)");
   app.add_option("--role", o.role, "worker role name (ROLE_NAME, default 'default')");
@@ -303,14 +308,16 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
     std::set<int> ranks;
     for (auto item : util::split_list(ranks_filter)) {
       auto n = to_long(item);
-      if (!n || *n < 0) throw UsageError(fmt::format("--local-ranks-filter='{}' must be a comma list of local ranks", ranks_filter));
+      if (!n || *n < 0)
+        throw UsageError(fmt::format("--local-ranks-filter='{}' must be a comma list of local ranks", ranks_filter));
       ranks.insert(static_cast<int>(*n));
     }
     o.local_ranks_filter = std::move(ranks);
   }
   if (!node_rank.empty()) {
     auto n = to_long(node_rank);
-    if (!n || *n < 0 || *n > 1'000'000) throw UsageError(fmt::format("--node-rank='{}' must be a non-negative integer", node_rank));
+    if (!n || *n < 0 || *n > 1'000'000)
+      throw UsageError(fmt::format("--node-rank='{}' must be a non-negative integer", node_rank));
     o.node_rank = static_cast<int>(*n);
   }
   if (!master_port.empty()) {
@@ -328,15 +335,16 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
       o.start_method != "forkserver")
     throw UsageError(fmt::format("--start-method='{}' is not one of spawn, fork, forkserver", o.start_method));
   if (o.max_restarts < 0) throw UsageError("--max-restarts must be 0 or more");
-  if (o.no_python && o.module) throw UsageError("--no-python and -m/--module contradict each other (a module needs python)");
+  if (o.no_python && o.module)
+    throw UsageError("--no-python and -m/--module contradict each other (a module needs python)");
   if (o.no_python && o.run_path) throw UsageError("--no-python and --run-path contradict each other");
   if (o.standalone) {
     if (!o.rdzv_endpoint.empty())
       throw UsageError("--standalone and --rdzv-endpoint contradict each other (standalone hosts its own store)");
-    if (uses_etcd(o.rdzv_backend))
-      throw UsageError("--standalone and --rdzv-backend=etcd contradict each other");
+    if (uses_etcd(o.rdzv_backend)) throw UsageError("--standalone and --rdzv-backend=etcd contradict each other");
     if (o.max_nodes && *o.max_nodes > 1)
-      throw UsageError(fmt::format("--standalone runs one node but --nnodes={}:{} asks for more", *o.min_nodes, *o.max_nodes));
+      throw UsageError(
+          fmt::format("--standalone runs one node but --nnodes={}:{} asks for more", *o.min_nodes, *o.max_nodes));
   }
   if (uses_etcd(o.rdzv_backend) && o.rdzv_endpoint.empty())
     throw UsageError("--rdzv-backend=etcd needs --rdzv-endpoint=HOST:PORT of an etcd server");

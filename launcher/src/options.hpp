@@ -25,8 +25,8 @@ class UsageError : public std::runtime_error {
 
 // Which standard streams go where: bit 1 = stdout, bit 2 = stderr (torchrun's Std values).
 struct StreamSpec {
-  int all = 0;                      // applies to local ranks not in `per_rank`
-  std::map<int, int> per_rank;      // "0:3,1:1"
+  int all = 0;                  // applies to local ranks not in `per_rank`
+  std::map<int, int> per_rank;  // "0:3,1:1"
   int for_rank(int local_rank) const {
     auto it = per_rank.find(local_rank);
     return it == per_rank.end() ? all : it->second;

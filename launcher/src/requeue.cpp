@@ -121,9 +121,8 @@ CallResult RequeueLedger::charge(FailureClass c) {
   return {};
 }
 
-RequeueDecision decide_requeue(FailureClass cls, int signal, bool under_slurm,
-                               const std::optional<SlurmJobView>& job, const RequeueLedger& ledger,
-                               const std::array<std::int64_t, kFailureClasses>& budgets) {
+RequeueDecision decide_requeue(FailureClass cls, int signal, bool under_slurm, const std::optional<SlurmJobView>& job,
+                               const RequeueLedger& ledger, const std::array<std::int64_t, kFailureClasses>& budgets) {
   using Verdict = RequeueDecision::Verdict;
   RequeueDecision d;
   d.cls = cls;
@@ -162,12 +161,11 @@ bool requeue_job(const rdzv::SlurmEnv* slurm, const AgentOptions& options, Failu
   const auto budget_text = d.budget == kUnlimited ? std::string("inf") : std::to_string(d.budget);
   switch (d.verdict) {
     case Verdict::NotSlurm:
-      spdlog::info("requeue ({}): not running under Slurm, so the job cannot be requeued; the exit code tells the caller",
-                   to_string(cls));
+      spdlog::info(
+          "requeue ({}): not running under Slurm, so the job cannot be requeued; the exit code tells the caller",
+          to_string(cls));
       return false;
-    case Verdict::Cancelled:
-      spdlog::info("job {} was cancelled (scancel): not requeueing", job_id);
-      return false;
+    case Verdict::Cancelled: spdlog::info("job {} was cancelled (scancel): not requeueing", job_id); return false;
     case Verdict::NotPreempted:
       spdlog::info("SIGTERM, but job {} is neither preempted nor out of time (kill? scancel --signal?): not requeueing",
                    job_id);
@@ -176,8 +174,7 @@ bool requeue_job(const rdzv::SlurmEnv* slurm, const AgentOptions& options, Failu
       spdlog::info("requeue budget for class {} used up ({} of {}{}): job {} is not requeued", to_string(d.cls), d.used,
                    budget_text, ledger_view.path().empty() ? ", counted by SLURM_RESTART_COUNT" : "", job_id);
       return false;
-    case Verdict::Requeue:
-      break;
+    case Verdict::Requeue: break;
   }
   RequeueLedger ledger = ledger_view;
   if (auto r = ledger.charge(d.cls); !r.ok) spdlog::warn("warning: requeue ledger: {}", r.error);

@@ -15,10 +15,10 @@ namespace elastrun::launcher {
 
 // What slurmctld says about the job right now (nullopt from load_slurm_job: not reachable).
 struct SlurmJobView {
-  bool cancelled = false;   // scancel: a SIGTERM then is not a preemption
-  bool preempted = false;   // preempt_time set: the SIGTERM is preemption's
-  bool timed_out = false;   // state TIMEOUT: the time limit was reached
-  int restart_count = 0;    // restart_cnt
+  bool cancelled = false;  // scancel: a SIGTERM then is not a preemption
+  bool preempted = false;  // preempt_time set: the SIGTERM is preemption's
+  bool timed_out = false;  // state TIMEOUT: the time limit was reached
+  int restart_count = 0;   // restart_cnt
 };
 std::optional<SlurmJobView> load_slurm_job(const std::string& job_id);
 
@@ -72,9 +72,8 @@ struct RequeueDecision {
   std::int64_t used = 0;                 // requeues of `cls` before this one
   std::int64_t budget = 0;               // kUnlimited or a count
 };
-RequeueDecision decide_requeue(FailureClass cls, int signal, bool under_slurm,
-                               const std::optional<SlurmJobView>& job, const RequeueLedger& ledger,
-                               const std::array<std::int64_t, kFailureClasses>& budgets);
+RequeueDecision decide_requeue(FailureClass cls, int signal, bool under_slurm, const std::optional<SlurmJobView>& job,
+                               const RequeueLedger& ledger, const std::array<std::int64_t, kFailureClasses>& budgets);
 
 // Brings the job back through Slurm, for group rank 0 (or the survivor that claimed it): decides,
 // charges the ledger, calls slurm_requeue and excludes `exclude` (best effort), logging each

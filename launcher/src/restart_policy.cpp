@@ -19,18 +19,15 @@ std::string_view to_string(FailedAction action) {
 
 FailedAction next_failed_action(const FailedObservation& seen) {
   switch (seen.settle_change) {
-    case Change::Closed:
-      return FailedAction::ExitClosed;
+    case Change::Closed: return FailedAction::ExitClosed;
     // A failure caused by a lost peer or by another node's failure (a collective broke) is a
     // membership change, not a restart of ours.
     case Change::MemberLost:
     case Change::Fenced:
     case Change::StoreLost:
-    case Change::Reform:
-      return FailedAction::ReformUncounted;
+    case Change::Reform: return FailedAction::ReformUncounted;
     case Change::None:
-    case Change::MemberWaiting:
-      break;
+    case Change::MemberWaiting: break;
   }
   // Workers failed on several nodes in this round at once (one crash breaks the others'
   // collectives): one restart per round, counted by the agent that claimed it first.

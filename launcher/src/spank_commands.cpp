@@ -33,8 +33,7 @@
 namespace elastrun::launcher {
 
 int run_store_serve(int argc, char** argv) {
-  CLI::App app{"Serve the rendezvous store alone (used by the SPANK plugin's srun --elastic).",
-               "elastrun store-serve"};
+  CLI::App app{"Serve the rendezvous store alone (used by the SPANK plugin's srun --elastic).", "elastrun store-serve"};
   rdzv::StoreServerOptions so;
   std::string auth = "none";
   int ready_fd = -1, lifeline_fd = -1;

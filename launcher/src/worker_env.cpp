@@ -11,13 +11,29 @@ namespace elastrun::launcher {
 namespace fs = std::filesystem;
 
 const std::vector<std::string>& worker_variable_names() {
-  static const std::vector<std::string> names = {
-      "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-      "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-      "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-      "TORCHELASTIC_USE_AGENT_STORE", "ELASTRUN_GENERATION", "ELASTRUN_NODE", "NODE_RANK",
-      "ELASTRUN_CONTROL_FILE", "ELASTRUN_CHECKPOINT_DIR", "ELASTRUN_CHECKPOINTED_EXIT_CODE",
-      "ELASTRUN_EVENTS_FILE"};
+  static const std::vector<std::string> names = {"RANK",
+                                                 "LOCAL_RANK",
+                                                 "GROUP_RANK",
+                                                 "ROLE_RANK",
+                                                 "ROLE_NAME",
+                                                 "LOCAL_WORLD_SIZE",
+                                                 "WORLD_SIZE",
+                                                 "GROUP_WORLD_SIZE",
+                                                 "ROLE_WORLD_SIZE",
+                                                 "MASTER_ADDR",
+                                                 "MASTER_PORT",
+                                                 "TORCHELASTIC_RESTART_COUNT",
+                                                 "TORCHELASTIC_MAX_RESTARTS",
+                                                 "TORCHELASTIC_RUN_ID",
+                                                 "TORCHELASTIC_ERROR_FILE",
+                                                 "TORCHELASTIC_USE_AGENT_STORE",
+                                                 "ELASTRUN_GENERATION",
+                                                 "ELASTRUN_NODE",
+                                                 "NODE_RANK",
+                                                 "ELASTRUN_CONTROL_FILE",
+                                                 "ELASTRUN_CHECKPOINT_DIR",
+                                                 "ELASTRUN_CHECKPOINTED_EXIT_CODE",
+                                                 "ELASTRUN_EVENTS_FILE"};
   return names;
 }
 

@@ -37,8 +37,7 @@ struct AttemptContext {
 
 // The worker's variables (without the inherited ones); OMP_NUM_THREADS=1 with several local
 // workers unless `inherited` sets it.
-std::vector<std::string> worker_variables(const AttemptContext& attempt, int local_rank,
-                                          const std::string& error_file,
+std::vector<std::string> worker_variables(const AttemptContext& attempt, int local_rank, const std::string& error_file,
                                           const std::vector<std::string>& inherited);
 
 // One spec per local worker: creates <attempt_dir>/<local rank>/ (error file, logs) and removes

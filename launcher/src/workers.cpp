@@ -124,7 +124,7 @@ std::string signal_name(int sig) {
 
 std::optional<std::string> find_executable(const std::string& program) {
   auto executable = [](const std::string& p) {
-    struct stat st{};
+    struct stat st {};
     return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(p.c_str(), X_OK) == 0;
   };
   if (program.empty()) return std::nullopt;
@@ -238,8 +238,10 @@ std::optional<WorkerExit> WorkerGroup::Impl::note_exit(pid_t pid, int status) {
     e.pid = pid;
     e.when = std::chrono::system_clock::now();
     e.exec_error = w.exec_error;
-    if (WIFSIGNALED(status)) e.signal = WTERMSIG(status);
-    else e.exit_code = WEXITSTATUS(status);
+    if (WIFSIGNALED(status))
+      e.signal = WTERMSIG(status);
+    else
+      e.exit_code = WEXITSTATUS(status);
     return e;
   }
   return std::nullopt;  // a grandchild reparented to us (child subreaper): just reaped
@@ -269,7 +271,7 @@ void WorkerGroup::Impl::spawn(Worker& w) {
   if (pid == 0) {
     ::setpgid(0, 0);
     if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) ::_exit(126);
-    struct sigaction dfl{};
+    struct sigaction dfl {};
     dfl.sa_handler = SIG_DFL;
     for (int sig = 1; sig < NSIG; ++sig)
       if (sig != SIGKILL && sig != SIGSTOP) ::sigaction(sig, &dfl, nullptr);  // EINVAL for glibc-internal ones

@@ -18,9 +18,9 @@ namespace elastrun::launcher {
 struct WorkerSpec {
   int local_rank = 0;
   int global_rank = 0;
-  std::string path;               // resolved executable
-  std::vector<std::string> argv;  // argv[0] included
-  std::vector<std::string> env;   // "KEY=VALUE"
+  std::string path;                                   // resolved executable
+  std::vector<std::string> argv;                      // argv[0] included
+  std::vector<std::string> env;                       // "KEY=VALUE"
   bool console_stdout = true, console_stderr = true;  // relay to the agent's stdout/stderr
   std::string stdout_file, stderr_file;               // raw copies ("" = none)
   std::string error_file;  // TORCHELASTIC_ERROR_FILE (PyTorch's @record JSON), read on failure
@@ -30,8 +30,8 @@ struct WorkerExit {
   int local_rank = 0;
   int global_rank = 0;
   pid_t pid = 0;
-  int exit_code = 0;   // valid when signal == 0
-  int signal = 0;      // terminating signal, 0 if it exited
+  int exit_code = 0;       // valid when signal == 0
+  int signal = 0;          // terminating signal, 0 if it exited
   std::string exec_error;  // the program could not be executed (then exit_code 127)
   std::chrono::system_clock::time_point when;
   bool ok() const { return signal == 0 && exit_code == 0; }

@@ -21,8 +21,7 @@ MungeCtx munge_context(const AuthConfig& config) {
   if (!ctx) throw AuthError("cannot create a MUNGE context (out of memory)");
   if (!config.munge_socket.empty() &&
       munge_ctx_set(ctx.get(), MUNGE_OPT_SOCKET, config.munge_socket.c_str()) != EMUNGE_SUCCESS)
-    throw AuthError(fmt::format("cannot use MUNGE socket {}: {}", config.munge_socket,
-                                munge_ctx_strerror(ctx.get())));
+    throw AuthError(fmt::format("cannot use MUNGE socket {}: {}", config.munge_socket, munge_ctx_strerror(ctx.get())));
   return ctx;
 }
 
@@ -32,8 +31,7 @@ struct FreeDeleter {
 
 bool constant_time_equal(std::string_view a, std::string_view b) {
   unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  for (std::size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
   return diff == 0;
 }
 
@@ -109,10 +107,10 @@ std::string make_credential(const AuthConfig& config, std::string_view run_id) {
       auto rc = munge_encode(&raw, ctx.get(), run_id.data(), static_cast<int>(run_id.size()));
       std::unique_ptr<char, FreeDeleter> cred(raw);
       if (rc != EMUNGE_SUCCESS)
-        throw AuthError(fmt::format("MUNGE credential failed ({}){}; is munged running? or use "
-                                    "--rdzv-auth=token",
-                                    munge_ctx_strerror(ctx.get()),
-                                    config.munge_socket.empty() ? "" : " on " + config.munge_socket));
+        throw AuthError(fmt::format(
+            "MUNGE credential failed ({}){}; is munged running? or use "
+            "--rdzv-auth=token",
+            munge_ctx_strerror(ctx.get()), config.munge_socket.empty() ? "" : " on " + config.munge_socket));
       return cred.get();
     }
   }
@@ -122,8 +120,7 @@ std::string make_credential(const AuthConfig& config, std::string_view run_id) {
 std::optional<std::string> check_credential(const AuthConfig& config, std::string_view kind,
                                             std::string_view credential, std::string_view run_id) {
   if (kind != to_string(config.kind) && config.kind != AuthKind::None)
-    return fmt::format("client offered '{}' authentication, this store requires '{}'", kind,
-                       to_string(config.kind));
+    return fmt::format("client offered '{}' authentication, this store requires '{}'", kind, to_string(config.kind));
   switch (config.kind) {
     case AuthKind::None: return std::nullopt;
     case AuthKind::Token:
@@ -143,8 +140,7 @@ std::optional<std::string> check_credential(const AuthConfig& config, std::strin
       const std::string cred(credential);
       auto rc = munge_decode(cred.c_str(), ctx.get(), &raw, &len, &uid, &gid);
       std::unique_ptr<void, FreeDeleter> payload(raw);
-      if (rc != EMUNGE_SUCCESS)
-        return fmt::format("MUNGE credential rejected: {}", munge_ctx_strerror(ctx.get()));
+      if (rc != EMUNGE_SUCCESS) return fmt::format("MUNGE credential rejected: {}", munge_ctx_strerror(ctx.get()));
       if (uid != getuid())
         return fmt::format("MUNGE credential of uid {} but the job belongs to uid {}", uid, getuid());
       std::string_view got(static_cast<const char*>(payload.get()), static_cast<std::size_t>(len));

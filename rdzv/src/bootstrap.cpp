@@ -66,9 +66,10 @@ BootstrapPlan plan_bootstrap(const DetectedEnv& env, const BootstrapOverrides& o
     throw RendezvousError("no rendezvous id: pass --rdzv-id (under Slurm it defaults to the job id)");
   auto address = resolve_node_address(plan.store_host);
   if (!address)
-    throw RendezvousError(fmt::format("rendezvous host '{}' resolves neither in DNS nor as a Slurm node; "
-                                      "fix --rdzv-endpoint",
-                                      plan.store_host));
+    throw RendezvousError(
+        fmt::format("rendezvous host '{}' resolves neither in DNS nor as a Slurm node; "
+                    "fix --rdzv-endpoint",
+                    plan.store_host));
   plan.store_address = *address;
   return plan;
 }
@@ -123,16 +124,14 @@ std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const Auth
       } catch (const StoreError& e) {
         last_error = e.what();
         // A refusal for another reason than the run id is final: wrong credentials stay wrong.
-        if (e.kind() == StoreErrorKind::AuthFailed &&
-            last_error.find("serves run") == std::string::npos)
-          throw;
+        if (e.kind() == StoreErrorKind::AuthFailed && last_error.find("serves run") == std::string::npos) throw;
       }
     }
     if (std::chrono::steady_clock::now() > deadline)
       throw StoreError(StoreErrorKind::ConnectionLost,
                        fmt::format("no rendezvous store for run '{}' at {} ({}) ports {}..{} after {} s: {}",
-                                   plan.run_id, plan.store_host, plan.store_address, ports.front(),
-                                   ports.back(), patience.count() / 1000, last_error));
+                                   plan.run_id, plan.store_host, plan.store_address, ports.front(), ports.back(),
+                                   patience.count() / 1000, last_error));
     std::this_thread::sleep_for(Millis(std::min(50 * (attempt + 1), 500)));
   }
 }

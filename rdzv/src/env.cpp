@@ -28,8 +28,8 @@ std::optional<std::string_view> lookup(const EnvMap& env, std::string_view name)
 }
 
 // First present variable among `names` (Slurm kept several spellings over the years).
-std::optional<std::pair<std::string_view, std::string_view>> lookup_any(
-    const EnvMap& env, std::initializer_list<std::string_view> names) {
+std::optional<std::pair<std::string_view, std::string_view>> lookup_any(const EnvMap& env,
+                                                                        std::initializer_list<std::string_view> names) {
   for (auto name : names)
     if (auto v = lookup(env, name)) return std::pair{name, *v};
   return std::nullopt;
@@ -40,8 +40,7 @@ std::optional<std::uint64_t> parse_u64(std::string_view text) { return util::par
 int to_int(std::string_view name, std::string_view text) {
   auto value = parse_u64(text);
   if (!value || *value > static_cast<std::uint64_t>(INT_MAX))
-    fail("{}='{}' is not a non-negative integer; unset it or fix the launcher that set it", name,
-         text);
+    fail("{}='{}' is not a non-negative integer; unset it or fix the launcher that set it", name, text);
   return static_cast<int>(*value);
 }
 
@@ -59,8 +58,7 @@ std::vector<std::string> expand_or_throw(const HostlistExpander& expand, std::st
                                          std::string_view expression) {
   auto hosts = expand(expression);
   if (!hosts || hosts->empty())
-    fail("{}='{}' is not a valid Slurm hostlist (e.g. n[1-4],gpu01); fix or unset it", name,
-         expression);
+    fail("{}='{}' is not a valid Slurm hostlist (e.g. n[1-4],gpu01); fix or unset it", name, expression);
   return *hosts;
 }
 
@@ -72,8 +70,7 @@ std::vector<int> tasks_or_throw(std::string_view name, std::string_view spec) {
   }
 }
 
-void require_below(std::string_view name, int value, std::string_view bound_name, int bound,
-                   std::string_view hint) {
+void require_below(std::string_view name, int value, std::string_view bound_name, int bound, std::string_view hint) {
   if (value >= bound) fail("{}={} is not below {}={}; {}", name, value, bound_name, bound, hint);
 }
 
@@ -84,11 +81,9 @@ constexpr std::string_view kStaleHint =
 // ---- heterogeneous jobs --------------------------------------------------------------------
 
 // Slurm names per-component variables <NAME>_HET_GROUP_<n>; before 20.02 it was _PACK_GROUP_<n>.
-std::optional<std::pair<std::string, std::string_view>> het_var(const EnvMap& env,
-                                                               std::string_view base, int group) {
+std::optional<std::pair<std::string, std::string_view>> het_var(const EnvMap& env, std::string_view base, int group) {
   for (std::string_view kind : {"HET", "PACK"}) {
-    std::string name = std::string(base) + "_" + std::string(kind) + "_GROUP_" +
-                       std::to_string(group);
+    std::string name = std::string(base) + "_" + std::string(kind) + "_GROUP_" + std::to_string(group);
     if (auto v = lookup(env, name)) return std::pair{name, *v};
   }
   return std::nullopt;
@@ -126,8 +121,8 @@ void detect_het(const EnvMap& env, const HostlistExpander& expand, SlurmEnv& s) 
     } else if (auto tpn = het_var(env, "SLURM_TASKS_PER_NODE", g)) {
       c.tasks_per_node = tasks_or_throw(tpn->first, tpn->second);
       if (c.tasks_per_node.size() != c.nodes.size())
-        fail("{}='{}' describes {} nodes but {} names {}; {}", tpn->first, tpn->second,
-             c.tasks_per_node.size(), nodelist->first, c.nodes.size(), kStaleHint);
+        fail("{}='{}' describes {} nodes but {} names {}; {}", tpn->first, tpn->second, c.tasks_per_node.size(),
+             nodelist->first, c.nodes.size(), kStaleHint);
     }
     if (!c.tasks_per_node.empty())
       c.ntasks = std::accumulate(c.tasks_per_node.begin(), c.tasks_per_node.end(), 0);
@@ -139,12 +134,11 @@ void detect_het(const EnvMap& env, const HostlistExpander& expand, SlurmEnv& s) 
     s.het_components.push_back(std::move(c));
   }
   if (s.het_components.empty())
-    fail("{}={} but no SLURM_JOB_NODELIST_HET_GROUP_<n> matches the step's nodes; {}",
-         size_var->first, size_var->second, kStaleHint);
+    fail("{}={} but no SLURM_JOB_NODELIST_HET_GROUP_<n> matches the step's nodes; {}", size_var->first,
+         size_var->second, kStaleHint);
   if (s.proc_id && s.step_id) {
     for (const auto& c : s.het_components)
-      if (*s.proc_id >= c.task_offset && *s.proc_id < c.task_offset + c.ntasks)
-        s.het_component = c.index;
+      if (*s.proc_id >= c.task_offset && *s.proc_id < c.task_offset + c.ntasks) s.het_component = c.index;
   } else if (!s.job_nodes.empty()) {
     // A batch script runs in component 0's allocation.
     for (const auto& c : s.het_components)
@@ -163,8 +157,7 @@ std::optional<SlurmEnv> detect_slurm(const EnvMap& env, const HostlistExpander& 
   }
   SlurmEnv s;
   s.job_id = std::string(job->second);
-  if (!parse_u64(s.job_id))
-    fail("{}='{}' is not a job id; unset it or run inside srun/sbatch", job->first, s.job_id);
+  if (!parse_u64(s.job_id)) fail("{}='{}' is not a job id; unset it or run inside srun/sbatch", job->first, s.job_id);
   if (auto step = lookup_any(env, {"SLURM_STEP_ID", "SLURM_STEPID"})) s.step_id = std::string(step->second);
   s.proc_id = int_var(env, "SLURM_PROCID");
   s.local_id = int_var(env, "SLURM_LOCALID");
@@ -193,8 +186,7 @@ std::optional<SlurmEnv> detect_slurm(const EnvMap& env, const HostlistExpander& 
 
   if (!nodelist) {
     if (s.node_id)
-      fail("SLURM_NODEID is set but no node list (SLURM_STEP_NODELIST/SLURM_JOB_NODELIST) is; {}",
-           kStaleHint);
+      fail("SLURM_NODEID is set but no node list (SLURM_STEP_NODELIST/SLURM_JOB_NODELIST) is; {}", kStaleHint);
     fail("{} is set but SLURM_JOB_NODELIST is not; {}", job->first, kStaleHint);
   }
   s.nodes = s.job_nodes.empty() || nodelist->first != "SLURM_JOB_NODELIST"
@@ -204,35 +196,32 @@ std::optional<SlurmEnv> detect_slurm(const EnvMap& env, const HostlistExpander& 
   if (nnodes) {
     int n = to_int(nnodes->first, nnodes->second);
     if (n != node_count)
-      fail("{}={} but {}='{}' names {} nodes; {}", nnodes->first, n, nodelist->first,
-           nodelist->second, node_count, kStaleHint);
+      fail("{}={} but {}='{}' names {} nodes; {}", nnodes->first, n, nodelist->first, nodelist->second, node_count,
+           kStaleHint);
   }
   if (tpn) {
     s.tasks_per_node = tasks_or_throw(tpn->first, tpn->second);
     if (static_cast<int>(s.tasks_per_node.size()) != node_count)
-      fail("{}='{}' describes {} nodes but {} names {}; {}", tpn->first, tpn->second,
-           s.tasks_per_node.size(), nodelist->first, node_count, kStaleHint);
+      fail("{}='{}' describes {} nodes but {} names {}; {}", tpn->first, tpn->second, s.tasks_per_node.size(),
+           nodelist->first, node_count, kStaleHint);
   }
   const int tpn_sum = std::accumulate(s.tasks_per_node.begin(), s.tasks_per_node.end(), 0);
   if (ntasks) {
     s.ntasks = to_int(ntasks->first, ntasks->second);
     if (tpn && tpn_sum != s.ntasks)
-      fail("{}={} but {}='{}' sums to {}; {}", ntasks->first, s.ntasks, tpn->first, tpn->second,
-           tpn_sum, kStaleHint);
+      fail("{}={} but {}='{}' sums to {}; {}", ntasks->first, s.ntasks, tpn->first, tpn->second, tpn_sum, kStaleHint);
   } else {
     s.ntasks = tpn ? tpn_sum : node_count;
   }
 
   if (s.proc_id) require_below("SLURM_PROCID", *s.proc_id, ntasks ? ntasks->first : "tasks", s.ntasks, kStaleHint);
   if (s.node_id) {
-    require_below("SLURM_NODEID", *s.node_id, fmt::format("{} count", nodelist->first),
-                  node_count, kStaleHint);
+    require_below("SLURM_NODEID", *s.node_id, fmt::format("{} count", nodelist->first), node_count, kStaleHint);
     if (!s.node_name.empty() && s.nodes[*s.node_id] != s.node_name)
-      fail("SLURMD_NODENAME={} but SLURM_NODEID={} names '{}' in {}; {}", s.node_name, *s.node_id,
-           s.nodes[*s.node_id], nodelist->first, kStaleHint);
+      fail("SLURMD_NODENAME={} but SLURM_NODEID={} names '{}' in {}; {}", s.node_name, *s.node_id, s.nodes[*s.node_id],
+           nodelist->first, kStaleHint);
     if (s.local_id && !s.tasks_per_node.empty())
-      require_below("SLURM_LOCALID", *s.local_id, "tasks on this node", s.tasks_per_node[*s.node_id],
-                    kStaleHint);
+      require_below("SLURM_LOCALID", *s.local_id, "tasks on this node", s.tasks_per_node[*s.node_id], kStaleHint);
   }
   detect_het(env, expand, s);
   return s;
@@ -243,32 +232,42 @@ std::optional<SlurmEnv> detect_slurm(const EnvMap& env, const HostlistExpander& 
 std::vector<MpiEnv> detect_mpi(const EnvMap& env) {
   std::vector<MpiEnv> found;
   if (auto rank = int_var(env, "OMPI_COMM_WORLD_RANK")) {
-    MpiEnv m{.kind = "openmpi", .rank = rank, .size = int_var(env, "OMPI_COMM_WORLD_SIZE"),
+    MpiEnv m{.kind = "openmpi",
+             .rank = rank,
+             .size = int_var(env, "OMPI_COMM_WORLD_SIZE"),
              .local_rank = int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
-             .local_size = int_var(env, "OMPI_COMM_WORLD_LOCAL_SIZE"), .nspace = {}};
+             .local_size = int_var(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+             .nspace = {}};
     if (!m.size)
-      throw EnvError("OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not; run under mpirun "
-                     "or unset the OMPI_COMM_WORLD_* variables");
+      throw EnvError(
+          "OMPI_COMM_WORLD_RANK is set but OMPI_COMM_WORLD_SIZE is not; run under mpirun "
+          "or unset the OMPI_COMM_WORLD_* variables");
     require_below("OMPI_COMM_WORLD_RANK", *m.rank, "OMPI_COMM_WORLD_SIZE", *m.size,
                   "fix the launcher or unset the OMPI_COMM_WORLD_* variables");
     if (m.local_rank && m.local_size)
-      require_below("OMPI_COMM_WORLD_LOCAL_RANK", *m.local_rank, "OMPI_COMM_WORLD_LOCAL_SIZE",
-                    *m.local_size, "fix the launcher or unset the OMPI_COMM_WORLD_* variables");
+      require_below("OMPI_COMM_WORLD_LOCAL_RANK", *m.local_rank, "OMPI_COMM_WORLD_LOCAL_SIZE", *m.local_size,
+                    "fix the launcher or unset the OMPI_COMM_WORLD_* variables");
     found.push_back(std::move(m));
   }
   if (auto rank = int_var(env, "PMIX_RANK")) {
-    MpiEnv m{.kind = "pmix", .rank = rank, .size = std::nullopt, .local_rank = std::nullopt,
-             .local_size = std::nullopt, .nspace = {}};
+    MpiEnv m{.kind = "pmix",
+             .rank = rank,
+             .size = std::nullopt,
+             .local_rank = std::nullopt,
+             .local_size = std::nullopt,
+             .nspace = {}};
     if (auto ns = lookup(env, "PMIX_NAMESPACE")) m.nspace = std::string(*ns);
     found.push_back(std::move(m));
   }
   if (auto rank = int_var(env, "PMI_RANK")) {
-    MpiEnv m{.kind = "pmi2", .rank = rank, .size = int_var(env, "PMI_SIZE"),
-             .local_rank = std::nullopt, .local_size = std::nullopt, .nspace = {}};
+    MpiEnv m{.kind = "pmi2",
+             .rank = rank,
+             .size = int_var(env, "PMI_SIZE"),
+             .local_rank = std::nullopt,
+             .local_size = std::nullopt,
+             .nspace = {}};
     if (auto id = lookup(env, "PMI_JOBID")) m.nspace = std::string(*id);
-    if (m.size)
-      require_below("PMI_RANK", *m.rank, "PMI_SIZE", *m.size,
-                    "fix the launcher or unset PMI_RANK/PMI_SIZE");
+    if (m.size) require_below("PMI_RANK", *m.rank, "PMI_SIZE", *m.size, "fix the launcher or unset PMI_RANK/PMI_SIZE");
     found.push_back(std::move(m));
   }
   return found;
@@ -415,7 +414,9 @@ DetectedEnv detect_environment(const EnvMap& env, const HostlistExpander& expand
 
   if (d.torch) {
     auto& t = *d.torch;
-    d.placement = {.source = RankSource::Torchrun, .rank = t.rank, .world_size = t.world_size,
+    d.placement = {.source = RankSource::Torchrun,
+                   .rank = t.rank,
+                   .world_size = t.world_size,
                    .local_rank = t.local_rank.value_or(0),
                    .local_world_size = t.local_world_size.value_or(1),
                    .node_rank = t.group_rank.value_or(0),
@@ -438,26 +439,28 @@ DetectedEnv detect_environment(const EnvMap& env, const HostlistExpander& expand
     if (d.slurm->step_id)
       for (const auto& m : d.mpi)
         if (*m.rank != d.placement.rank)
-          fail("{}={} but SLURM_PROCID={}; {}", m.kind == "pmix" ? "PMIX_RANK" : "PMI_RANK",
-               *m.rank, d.placement.rank, kStaleHint);
+          fail("{}={} but SLURM_PROCID={}; {}", m.kind == "pmix" ? "PMIX_RANK" : "PMI_RANK", *m.rank, d.placement.rank,
+               kStaleHint);
   } else if (const auto* pmi = find_mpi(d.mpi, "pmi2"); pmi && pmi->size) {
-    d.placement = {.source = RankSource::PMI2, .rank = *pmi->rank, .world_size = *pmi->size,
-                   .local_rank = 0, .local_world_size = 1, .node_rank = *pmi->rank,
+    d.placement = {.source = RankSource::PMI2,
+                   .rank = *pmi->rank,
+                   .world_size = *pmi->size,
+                   .local_rank = 0,
+                   .local_world_size = 1,
+                   .node_rank = *pmi->rank,
                    .num_nodes = *pmi->size};
   } else if (!d.mpi.empty()) {
     const auto& m = d.mpi.front();
-    fail("{}", m.kind == "pmix"
-                   ? "PMIX_RANK is set but the world size is unknown outside Slurm/mpirun; set "
-                     "WORLD_SIZE and RANK, or launch with srun --mpi=pmix"
-                   : "PMI_RANK is set but PMI_SIZE is not; fix the launcher or unset PMI_RANK");
+    fail("{}", m.kind == "pmix" ? "PMIX_RANK is set but the world size is unknown outside Slurm/mpirun; set "
+                                  "WORLD_SIZE and RANK, or launch with srun --mpi=pmix"
+                                : "PMI_RANK is set but PMI_SIZE is not; fix the launcher or unset PMI_RANK");
   }
 
   if (d.slurm) {
     const auto& s = *d.slurm;
     d.run_id = s.job_id + ".r" + std::to_string(s.restart_count);
     // The rendezvous host is the first node of the whole (possibly heterogeneous) step.
-    const std::string& first = s.het_components.empty() ? s.nodes.front()
-                                                        : s.het_components.front().nodes.front();
+    const std::string& first = s.het_components.empty() ? s.nodes.front() : s.het_components.front().nodes.front();
     std::uint64_t step = 0;
     if (s.step_id) step = parse_u64(*s.step_id).value_or(0);
     d.rdzv_endpoint = propose_endpoint(first, *parse_u64(s.job_id), step);

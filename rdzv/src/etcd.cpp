@@ -126,7 +126,8 @@ std::string base64_encode(std::string_view bytes) {
 std::string base64_decode(std::string_view text) {
   std::array<int, 256> value{};
   value.fill(-1);
-  for (std::size_t i = 0; i < kAlphabet.size(); ++i) value[static_cast<unsigned char>(kAlphabet[i])] = static_cast<int>(i);
+  for (std::size_t i = 0; i < kAlphabet.size(); ++i)
+    value[static_cast<unsigned char>(kAlphabet[i])] = static_cast<int>(i);
   std::string out;
   std::uint32_t acc = 0;
   int bits = 0;
@@ -173,19 +174,21 @@ struct EtcdKv::Impl {
     for (std::size_t i = 0; i < s->buffer.size(); ++i) {
       char c = s->buffer[i];
       if (in_string) {
-        if (c == '\\') ++i;
-        else if (c == '"') in_string = false;
+        if (c == '\\')
+          ++i;
+        else if (c == '"')
+          in_string = false;
         continue;
       }
-      if (c == '"') in_string = true;
+      if (c == '"')
+        in_string = true;
       else if (c == '{') {
         if (depth++ == 0) start = i;
       } else if (c == '}' && --depth == 0) {
         auto msg = json::parse(s->buffer.substr(start, i - start + 1), nullptr, false);
         if (!msg.is_discarded()) {
           const auto& r = msg.contains("result") ? msg["result"] : msg;
-          if ((r.contains("events") && !r["events"].empty()) || r.contains("compact_revision") ||
-              msg.contains("error"))
+          if ((r.contains("events") && !r["events"].empty()) || r.contains("compact_revision") || msg.contains("error"))
             s->stop = true;
           s->messages.push_back(std::move(msg));
         }
@@ -213,8 +216,10 @@ struct EtcdKv::Impl {
   [[noreturn]] void fail_from(const json& reply, const std::string& what) {
     auto message = reply.value("message", reply.value("error", std::string("error")));
     auto kind = StoreErrorKind::BadRequest;
-    if (message.find("lease not found") != std::string::npos) kind = StoreErrorKind::NoSuchLease;
-    else if (message.find("compacted") != std::string::npos) kind = StoreErrorKind::Compacted;
+    if (message.find("lease not found") != std::string::npos)
+      kind = StoreErrorKind::NoSuchLease;
+    else if (message.find("compacted") != std::string::npos)
+      kind = StoreErrorKind::Compacted;
     throw StoreError(kind, fmt::format("etcd {}: {}: {}", endpoint, what, message));
   }
 
@@ -226,9 +231,12 @@ struct EtcdKv::Impl {
     curl_api().easy_setopt(curl.get(), CURLOPT_WRITEDATA, &reply);
     auto rc = curl_api().easy_perform(curl.get());
     if (rc != CURLE_OK)
-      throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("etcd {}{}: {}", endpoint, path, curl_api().easy_strerror(rc)));
+      throw StoreError(StoreErrorKind::ConnectionLost,
+                       fmt::format("etcd {}{}: {}", endpoint, path, curl_api().easy_strerror(rc)));
     auto j = json::parse(reply, nullptr, false);
-    if (j.is_discarded()) throw StoreError(StoreErrorKind::BadRequest, fmt::format("etcd {}{}: not JSON: {}", endpoint, path, reply.substr(0, 200)));
+    if (j.is_discarded())
+      throw StoreError(StoreErrorKind::BadRequest,
+                       fmt::format("etcd {}{}: not JSON: {}", endpoint, path, reply.substr(0, 200)));
     if (j.contains("error")) fail_from(j, path);
     return j;
   }
@@ -275,24 +283,32 @@ std::int64_t EtcdKv::add(std::string_view key, std::int64_t delta, std::uint64_t
       auto kv = kv_of(r["kvs"][0]);
       auto parsed = util::parse_integer<std::int64_t>(kv.value);
       if (!parsed)
-        throw StoreError(StoreErrorKind::NotANumber, fmt::format("etcd {}: add '{}': value is not a number", impl_->endpoint, key));
+        throw StoreError(StoreErrorKind::NotANumber,
+                         fmt::format("etcd {}: add '{}': value is not a number", impl_->endpoint, key));
       current = *parsed;
       keep_lease = kv.lease;
-      compare = {{"key", base64_encode(key)}, {"result", "EQUAL"}, {"target", "MOD"}, {"mod_revision", std::to_string(kv.revision)}};
+      compare = {{"key", base64_encode(key)},
+                 {"result", "EQUAL"},
+                 {"target", "MOD"},
+                 {"mod_revision", std::to_string(kv.revision)}};
     } else {
       compare = {{"key", base64_encode(key)}, {"result", "EQUAL"}, {"target", "VERSION"}, {"version", "0"}};
     }
     auto next = current + delta;
     json txn{{"compare", json::array({compare})},
-             {"success", json::array({{{"request_put", impl_->put_op(key, std::to_string(next), lease ? lease : keep_lease)}}})}};
+             {"success",
+              json::array({{{"request_put", impl_->put_op(key, std::to_string(next), lease ? lease : keep_lease)}}})}};
     if (impl_->post("/v3/kv/txn", txn).value("succeeded", false)) return next;
   }
 }
 
-bool EtcdKv::compare_and_set(std::string_view key, const std::optional<std::string>& expected,
-                             std::string_view desired, std::uint64_t lease, std::optional<std::string>* current) {
+bool EtcdKv::compare_and_set(std::string_view key, const std::optional<std::string>& expected, std::string_view desired,
+                             std::uint64_t lease, std::optional<std::string>* current) {
   json compare = expected
-                     ? json{{"key", base64_encode(key)}, {"result", "EQUAL"}, {"target", "VALUE"}, {"value", base64_encode(*expected)}}
+                     ? json{{"key", base64_encode(key)},
+                            {"result", "EQUAL"},
+                            {"target", "VALUE"},
+                            {"value", base64_encode(*expected)}}
                      : json{{"key", base64_encode(key)}, {"result", "EQUAL"}, {"target", "VERSION"}, {"version", "0"}};
   json txn{{"compare", json::array({compare})},
            {"success", json::array({{{"request_put", impl_->put_op(key, desired, lease)}}})},
@@ -316,7 +332,8 @@ bool EtcdKv::remove(std::string_view key) {
 
 std::vector<KeyValue> EtcdKv::get_prefix(std::string_view prefix, std::uint64_t* revision) {
   std::string start = prefix.empty() ? std::string(1, '\0') : std::string(prefix);
-  auto r = impl_->post("/v3/kv/range", {{"key", base64_encode(start)}, {"range_end", base64_encode(range_end(prefix))}});
+  auto r =
+      impl_->post("/v3/kv/range", {{"key", base64_encode(start)}, {"range_end", base64_encode(range_end(prefix))}});
   if (revision) *revision = u64_of(r["header"], "revision");
   std::vector<KeyValue> out;
   for (const auto& kv : r.value("kvs", json::array())) out.push_back(kv_of(kv));
@@ -337,14 +354,16 @@ std::vector<WatchEvent> EtcdKv::watch(std::string_view prefix, std::uint64_t aft
   curl_api().easy_setopt(impl_->curl.get(), CURLOPT_WRITEDATA, &stream);
   auto rc = curl_api().easy_perform(impl_->curl.get());
   if (rc != CURLE_OK && !(rc == CURLE_WRITE_ERROR && stream.stop) && rc != CURLE_OPERATION_TIMEDOUT)
-    throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("etcd {} watch: {}", impl_->endpoint, curl_api().easy_strerror(rc)));
+    throw StoreError(StoreErrorKind::ConnectionLost,
+                     fmt::format("etcd {} watch: {}", impl_->endpoint, curl_api().easy_strerror(rc)));
   std::vector<WatchEvent> events;
   std::uint64_t rev = after_revision;
   for (const auto& msg : stream.messages) {
     if (msg.contains("error")) impl_->fail_from(msg, "watch");
     const auto& r = msg.contains("result") ? msg["result"] : msg;
     if (r.contains("compact_revision"))
-      throw StoreError(StoreErrorKind::Compacted, fmt::format("etcd {}: watch from revision {} is compacted", impl_->endpoint, after_revision));
+      throw StoreError(StoreErrorKind::Compacted,
+                       fmt::format("etcd {}: watch from revision {} is compacted", impl_->endpoint, after_revision));
     if (r.contains("header")) rev = std::max(rev, u64_of(r["header"], "revision"));
     for (const auto& e : r.value("events", json::array())) {
       WatchEvent w;

@@ -39,8 +39,7 @@ bool ranges_well_formed(std::string_view text) {
       auto digits = [](std::string_view d) {
         return !d.empty() && d.size() < 10 && d.find_first_not_of("0123456789") == d.npos;
       };
-      if (!digits(lo) || !digits(hi) || std::stoul(std::string(lo)) > std::stoul(std::string(hi)))
-        return false;
+      if (!digits(lo) || !digits(hi) || std::stoul(std::string(lo)) > std::stoul(std::string(hi))) return false;
       if (comma == std::string_view::npos) break;
       start = comma + 1;
     }
@@ -60,8 +59,7 @@ std::optional<std::vector<std::string>> expand_hostlist(std::string_view express
   if (!list) return std::nullopt;
   std::vector<std::string> hosts;
   hosts.reserve(static_cast<std::size_t>(slurm_hostlist_count(list.get())));
-  while (std::unique_ptr<char, FreeDeleter> host{slurm_hostlist_shift(list.get())})
-    hosts.emplace_back(host.get());
+  while (std::unique_ptr<char, FreeDeleter> host{slurm_hostlist_shift(list.get())}) hosts.emplace_back(host.get());
   return hosts;
 }
 

@@ -38,8 +38,8 @@ void set_nodelay(int fd) {
   if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) < 0) throw_errno(errno, "setsockopt(TCP_NODELAY)");
 }
 
-Listener listen_tcp(const std::string& address, std::uint16_t port,
-                    const std::vector<std::uint16_t>& fallbacks, int backlog) {
+Listener listen_tcp(const std::string& address, std::uint16_t port, const std::vector<std::uint16_t>& fallbacks,
+                    int backlog) {
   std::vector<std::uint16_t> candidates{port};
   if (port != 0) candidates.insert(candidates.end(), fallbacks.begin(), fallbacks.end());
   int last_errno = 0;
@@ -65,8 +65,8 @@ Listener listen_tcp(const std::string& address, std::uint16_t port,
     if (getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len) < 0) throw_errno(errno, "getsockname()");
     return {std::move(fd), ntohs(addr.sin_port)};
   }
-  throw_errno(last_errno, fmt::format("bind({}): port {} and its {} fallbacks are all in use", address,
-                                      port, fallbacks.size()));
+  throw_errno(last_errno,
+              fmt::format("bind({}): port {} and its {} fallbacks are all in use", address, port, fallbacks.size()));
 }
 
 UniqueFd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout) {

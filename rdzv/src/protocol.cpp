@@ -15,8 +15,7 @@ void put_le(std::string& out, T v) {
 template <typename T>
 T get_le(std::string_view bytes) {
   T v = 0;
-  for (std::size_t i = 0; i < sizeof(T); ++i)
-    v |= static_cast<T>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  for (std::size_t i = 0; i < sizeof(T); ++i) v |= static_cast<T>(static_cast<unsigned char>(bytes[i])) << (8 * i);
   return v;
 }
 
@@ -133,8 +132,8 @@ BodyWriter& BodyWriter::str(std::string_view s) {
 
 std::string_view BodyReader::take(std::size_t n) {
   if (n > body_.size() - pos_)
-    throw ProtocolError(fmt::format("truncated body: need {} bytes at offset {}, have {}", n, pos_,
-                                    body_.size() - pos_));
+    throw ProtocolError(
+        fmt::format("truncated body: need {} bytes at offset {}, have {}", n, pos_, body_.size() - pos_));
   auto out = body_.substr(pos_, n);
   pos_ += n;
   return out;
@@ -149,8 +148,7 @@ std::string_view BodyReader::str_view(std::size_t max_bytes) {
   return take(n);
 }
 void BodyReader::expect_end() const {
-  if (pos_ != body_.size())
-    throw ProtocolError(fmt::format("{} trailing bytes after the body", body_.size() - pos_));
+  if (pos_ != body_.size()) throw ProtocolError(fmt::format("{} trailing bytes after the body", body_.size() - pos_));
 }
 
 std::string BodyWriter::finish_frame(FrameHeader h) && {
@@ -219,8 +217,8 @@ std::optional<Frame> FrameDecoder::next() {
   f.header.request_id = get_le<std::uint32_t>(pending.substr(8));
   f.header.body_length = get_le<std::uint32_t>(pending.substr(12));
   if (f.header.body_length > max_body_)
-    throw ProtocolError(fmt::format("frame body of {} bytes exceeds the {} byte limit",
-                                    f.header.body_length, max_body_));
+    throw ProtocolError(
+        fmt::format("frame body of {} bytes exceeds the {} byte limit", f.header.body_length, max_body_));
   if (pending.size() < kHeaderBytes + f.header.body_length) return std::nullopt;
   if (consumed_ == 0 && buffer_.size() == kHeaderBytes + f.header.body_length) {
     // The common case, one whole frame buffered: hand over the buffer instead of copying it
@@ -256,9 +254,7 @@ Request decode_request(const Frame& frame) {
       r.lease = in.u64();
       break;
     case Op::Get:
-    case Op::Delete:
-      r.key = checked_key(in);
-      break;
+    case Op::Delete: r.key = checked_key(in); break;
     case Op::Add:
       r.key = checked_key(in);
       r.delta = in.i64();
@@ -293,11 +289,8 @@ Request decode_request(const Frame& frame) {
       r.value = in.str(256);  // the holder's node name (for Slurm confirmation), may be empty
       break;
     case Op::LeaseKeepAlive:
-    case Op::LeaseRevoke:
-      r.lease = in.u64();
-      break;
-    case Op::Ping:
-      break;
+    case Op::LeaseRevoke: r.lease = in.u64(); break;
+    case Op::Ping: break;
   }
   in.expect_end();
   if (r.timeout_ms > kMaxTimeoutMs) throw ProtocolError(fmt::format("timeout {} ms too long", r.timeout_ms));
@@ -312,9 +305,7 @@ std::string encode_request(const Request& r) {
     case Op::Get:
     case Op::Delete: w.str(r.key); break;
     case Op::Add: w.str(r.key).i64(r.delta).u64(r.lease); break;
-    case Op::CompareAndSet:
-      w.str(r.key).u8(r.expect_absent ? 1 : 0).str(r.expected).str(r.value).u64(r.lease);
-      break;
+    case Op::CompareAndSet: w.str(r.key).u8(r.expect_absent ? 1 : 0).str(r.expected).str(r.value).u64(r.lease); break;
     case Op::GetPrefix: w.str(r.key); break;
     case Op::Wait:
       w.u32(static_cast<std::uint32_t>(r.keys.size()));
@@ -327,8 +318,7 @@ std::string encode_request(const Request& r) {
     case Op::LeaseRevoke: w.u64(r.lease); break;
     case Op::Ping: break;
   }
-  return encode_frame({.op = r.op, .status = Status::Ok, .flags = 0, .request_id = r.request_id,
-                       .body_length = 0},
+  return encode_frame({.op = r.op, .status = Status::Ok, .flags = 0, .request_id = r.request_id, .body_length = 0},
                       w.bytes());
 }
 

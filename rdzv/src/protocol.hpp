@@ -124,7 +124,7 @@ class BodyReader {
   std::int64_t i64() { return static_cast<std::int64_t>(u64()); }
   std::string str(std::size_t max_bytes);
   std::string_view str_view(std::size_t max_bytes);  // valid as long as the body is
-  void expect_end() const;  // trailing bytes are a protocol error too
+  void expect_end() const;                           // trailing bytes are a protocol error too
 
  private:
   std::string_view take(std::size_t n);
@@ -167,8 +167,8 @@ struct Request {
   std::uint32_t request_id = 0;
   std::string key;  // also the prefix of GetPrefix/Watch
   std::string value;
-  std::string expected;        // CompareAndSet
-  bool expect_absent = false;  // CompareAndSet: succeed only if the key does not exist
+  std::string expected;           // CompareAndSet
+  bool expect_absent = false;     // CompareAndSet: succeed only if the key does not exist
   std::vector<std::string> keys;  // Wait
   std::int64_t delta = 0;         // Add
   std::uint64_t lease = 0;        // Set/Add/CompareAndSet: attach the key to this lease
@@ -180,6 +180,6 @@ struct Request {
   std::string run_id;
 };
 
-Request decode_request(const Frame& frame);                // throws ProtocolError
-std::string encode_request(const Request& request);        // a whole frame
+Request decode_request(const Frame& frame);          // throws ProtocolError
+std::string encode_request(const Request& request);  // a whole frame
 }  // namespace elastrun::rdzv::protocol

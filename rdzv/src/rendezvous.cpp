@@ -41,9 +41,8 @@ std::optional<std::int64_t> to_i64(std::string_view s) { return util::parse_inte
 // lines are kept short because every member receives the whole roster (the default role is
 // written empty).
 std::string member_line(const MemberInfo& m) {
-  return fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}", m.het_component, m.node_index, m.node_name,
-                     m.address, m.nproc, m.role == "default" ? "" : m.role, m.pid, m.master_port,
-                     m.store_port);
+  return fmt::format("{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}", m.het_component, m.node_index, m.node_name, m.address,
+                     m.nproc, m.role == "default" ? "" : m.role, m.pid, m.master_port, m.store_port);
 }
 
 constexpr std::size_t kMemberFields = 9;
@@ -115,8 +114,8 @@ std::string MemberInfo::sort_key() const {
 RendezvousClosed::RendezvousClosed(const std::string& run_id, std::string reason)
     : RendezvousError(fmt::format("rendezvous '{}' is closed: {}", run_id, reason)), reason_(std::move(reason)) {}
 
-Rendezvous::Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> heartbeat_kv,
-                       RendezvousConfig config, MemberInfo me, StoreConnector connector)
+Rendezvous::Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> heartbeat_kv, RendezvousConfig config,
+                       MemberInfo me, StoreConnector connector)
     : kv_(std::move(kv)),
       heartbeat_kv_(std::move(heartbeat_kv)),
       config_(std::move(config)),
@@ -125,8 +124,8 @@ Rendezvous::Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend>
       my_key_(me_.sort_key()) {
   connector_ = std::move(connector);
   if (config_.min_nodes < 1 || config_.max_nodes < config_.min_nodes)
-    throw RendezvousError(fmt::format("--nnodes={}:{} is not a valid MIN:MAX (need 1 <= MIN <= MAX)",
-                                      config_.min_nodes, config_.max_nodes));
+    throw RendezvousError(fmt::format("--nnodes={}:{} is not a valid MIN:MAX (need 1 <= MIN <= MAX)", config_.min_nodes,
+                                      config_.max_nodes));
   ensure_alive();
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
 }
@@ -202,8 +201,7 @@ const RoundResult& Rendezvous::next_round() {
   while (true) {
     try {
       if (store_lost_) fail_over();
-      if (auto closed = kv_->get(prefix_ + "closed"))
-        throw RendezvousClosed(config_.run_id, closed->value);
+      if (auto closed = kv_->get(prefix_ + "closed")) throw RendezvousClosed(config_.run_id, closed->value);
       ensure_alive();
       gen = current_generation();
       // A generation we already ran is over: move everyone to the next one.
@@ -219,7 +217,8 @@ const RoundResult& Rendezvous::next_round() {
       if (e.kind() == StoreErrorKind::NoSuchLease) {
         // Our lease died while we were not looking: we are fenced; rejoin as a new member.
         fenced_ = true;
-      } else if (e.kind() == StoreErrorKind::ConnectionLost && connector_ && (round_.generation > 0 || !standbys_.empty())) {
+      } else if (e.kind() == StoreErrorKind::ConnectionLost && connector_ &&
+                 (round_.generation > 0 || !standbys_.empty())) {
         spdlog::warn("[rdzv] {}", e.what());
         store_lost_ = true;
       } else {
@@ -227,9 +226,9 @@ const RoundResult& Rendezvous::next_round() {
       }
     }
     if (Clock::now() > join_deadline)
-      throw RendezvousError(fmt::format(
-          "only some of the required {} nodes joined round {} within {} s (--rdzv-conf join_timeout)",
-          config_.min_nodes, gen, config_.join_timeout.count() / 1000));
+      throw RendezvousError(
+          fmt::format("only some of the required {} nodes joined round {} within {} s (--rdzv-conf join_timeout)",
+                      config_.min_nodes, gen, config_.join_timeout.count() / 1000));
   }
 }
 
@@ -245,7 +244,8 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
   me_.master_port = listen_tcp("0.0.0.0", 0).port;
   kv_->set(round + "join/" + my_key_, member_line(me_), lease_);
   auto joined = kv_->add(round + "count", 1);
-  if (joined >= config_.max_nodes) try_close(gen);
+  if (joined >= config_.max_nodes)
+    try_close(gen);
   else if (joined >= config_.min_nodes)
     kv_->compare_and_set(ctl + "last_call", std::nullopt,
                          std::to_string(wall_ms() + config_.last_call_timeout.count()));
@@ -373,8 +373,8 @@ std::optional<RoundResult> Rendezvous::finish_round(std::uint64_t gen, std::stri
   r.roster = std::move(roster);
   // Changes after the roster concern the running round.
   watch_revision_ = revision;
-  spdlog::info("[rdzv] round {} complete: {} nodes, {} workers, this node is group rank {}", gen,
-               r.group_world_size, r.world_size, r.group_rank);
+  spdlog::info("[rdzv] round {} complete: {} nodes, {} workers, this node is group rank {}", gen, r.group_world_size,
+               r.world_size, r.group_rank);
   return r;
 }
 
@@ -411,8 +411,7 @@ void Rendezvous::fail_over() {
           store_lost_ = false;
         }
         kv_->compare_and_set(prefix_ + "gen", std::nullopt, std::to_string(round_.generation + 1));
-        spdlog::warn("[rdzv] failed over to the standby store of {} ({}:{})", m.node_name, m.address,
-                     m.store_port);
+        spdlog::warn("[rdzv] failed over to the standby store of {} ({}:{})", m.node_name, m.address, m.store_port);
         return;
       } catch (const StoreError& e) {
         last_error = e.what();
@@ -473,8 +472,7 @@ Change Rendezvous::wait_for_change(Millis timeout) {
             return Change::MemberLost;
           }
       }
-      if (key.starts_with("waiting/") && e.type == WatchEvent::Type::Put &&
-          round_.group_world_size < config_.max_nodes)
+      if (key.starts_with("waiting/") && e.type == WatchEvent::Type::Put && round_.group_world_size < config_.max_nodes)
         return Change::MemberWaiting;
     }
   }
@@ -482,9 +480,7 @@ Change Rendezvous::wait_for_change(Millis timeout) {
 
 void Rendezvous::request_new_round() { advance_generation(round_.generation); }
 
-void Rendezvous::close(std::string_view reason) {
-  kv_->compare_and_set(prefix_ + "closed", std::nullopt, reason);
-}
+void Rendezvous::close(std::string_view reason) { kv_->compare_and_set(prefix_ + "closed", std::nullopt, reason); }
 
 std::int64_t Rendezvous::add_to_counter(std::string_view name, std::int64_t delta) {
   return kv_->add(prefix_ + "counter/" + std::string(name), delta);

@@ -48,8 +48,8 @@ std::optional<bool> slurm_node_is_down(const std::string& node_name) {
   auto info = load_node(node_name);
   if (!info || info->record_count < 1) return std::nullopt;
   auto state = info->node_array[0].node_state;
-  bool down = (state & NODE_STATE_BASE) == NODE_STATE_DOWN || (state & NODE_STATE_NO_RESPOND) ||
-              (state & NODE_STATE_FAIL);
+  bool down =
+      (state & NODE_STATE_BASE) == NODE_STATE_DOWN || (state & NODE_STATE_NO_RESPOND) || (state & NODE_STATE_FAIL);
   return down;
 }
 

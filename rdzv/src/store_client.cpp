@@ -83,14 +83,14 @@ struct StoreClient::Impl {
       } catch (const ProtocolError&) {
       }
     }
-    throw StoreError(error_kind(frame.header.status), fmt::format("store {}: {} '{}' failed: {}{}", endpoint,
-                                                      to_string(req.op), req.key,
-                                                      to_string(frame.header.status), detail));
+    throw StoreError(error_kind(frame.header.status),
+                     fmt::format("store {}: {} '{}' failed: {}{}", endpoint, to_string(req.op), req.key,
+                                 to_string(frame.header.status), detail));
   }
 };
 
-StoreClient::StoreClient(const std::string& host, std::uint16_t port, const AuthConfig& auth,
-                         std::string_view run_id, Millis connect_timeout)
+StoreClient::StoreClient(const std::string& host, std::uint16_t port, const AuthConfig& auth, std::string_view run_id,
+                         Millis connect_timeout)
     : impl_(std::make_unique<Impl>()) {
   impl_->endpoint = fmt::format("{}:{}", host, port);
   try {
@@ -113,7 +113,6 @@ StoreClient::StoreClient(const std::string& host, std::uint16_t port, const Auth
 StoreClient::~StoreClient() = default;
 StoreClient::StoreClient(StoreClient&&) noexcept = default;
 StoreClient& StoreClient::operator=(StoreClient&&) noexcept = default;
-
 
 std::uint64_t StoreClient::set(std::string_view key, std::string_view value, std::uint64_t lease) {
   Request r;
@@ -151,8 +150,7 @@ std::int64_t StoreClient::add(std::string_view key, std::int64_t delta, std::uin
 }
 
 bool StoreClient::compare_and_set(std::string_view key, const std::optional<std::string>& expected,
-                                  std::string_view desired, std::uint64_t lease,
-                                  std::optional<std::string>* current) {
+                                  std::string_view desired, std::uint64_t lease, std::optional<std::string>* current) {
   Request r;
   r.op = Op::CompareAndSet;
   r.key = std::string(key);
@@ -205,8 +203,8 @@ bool StoreClient::wait(const std::vector<std::string>& keys, Millis timeout) {
   return impl_->call(r, {Status::Ok, Status::Timeout}).header.status == Status::Ok;
 }
 
-std::vector<WatchEvent> StoreClient::watch(std::string_view prefix, std::uint64_t after_revision,
-                                           Millis timeout, std::uint64_t* revision) {
+std::vector<WatchEvent> StoreClient::watch(std::string_view prefix, std::uint64_t after_revision, Millis timeout,
+                                           std::uint64_t* revision) {
   Request r;
   r.op = Op::Watch;
   r.key = std::string(prefix);

@@ -66,11 +66,11 @@ struct Lease {
   Millis ttl{};
   Clock::time_point deadline;
   Clock::time_point renewed;  // granted or last kept alive: what a lost member's watchers are told
-  std::uint64_t owner = 0;  // connection id
+  std::uint64_t owner = 0;    // connection id
   std::set<std::string> keys;
-  std::string holder;                                  // node name, for Slurm confirmation
+  std::string holder;                                          // node name, for Slurm confirmation
   std::optional<std::future<std::optional<bool>>> confirming;  // asking whether the node is down
-  bool graced = false;                                 // one grace period already given
+  bool graced = false;                                         // one grace period already given
 };
 
 struct Parked {  // a Wait or Watch waiting for a change or its deadline
@@ -131,7 +131,8 @@ struct StoreServer::Impl {
   ~Impl() {
     stopping = true;
     std::uint64_t one = 1;
-    if (::write(wake_fd.get(), &one, sizeof one) < 0) { /* the loop also wakes every second */ }
+    if (::write(wake_fd.get(), &one, sizeof one) < 0) { /* the loop also wakes every second */
+    }
     if (thread.joinable()) thread.join();
   }
 
@@ -155,9 +156,12 @@ struct StoreServer::Impl {
       }
       for (int i = 0; i < n; ++i) {
         auto id = events[i].data.u64;
-        if (id == kListenerId) accept_all();
-        else if (id == kWakeId) continue;
-        else handle_connection_event(id, events[i].events);
+        if (id == kListenerId)
+          accept_all();
+        else if (id == kWakeId)
+          continue;
+        else
+          handle_connection_event(id, events[i].events);
       }
       expire(Clock::now());
       publish_stats();
@@ -174,8 +178,7 @@ struct StoreServer::Impl {
     while (true) {
       sockaddr_in addr{};
       socklen_t len = sizeof addr;
-      int fd = accept4(listener.fd.get(), reinterpret_cast<sockaddr*>(&addr), &len,
-                       SOCK_NONBLOCK | SOCK_CLOEXEC);
+      int fd = accept4(listener.fd.get(), reinterpret_cast<sockaddr*>(&addr), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
           spdlog::warn("[store] accept failed: {}", std::strerror(errno));
@@ -269,8 +272,7 @@ struct StoreServer::Impl {
       c.output.push_back({chunk, 0});
     }
     if (c.output_bytes > options.max_pending_output) {
-      spdlog::warn("[store] {} does not read its responses ({} bytes pending); closing", c.peer,
-                   c.output_bytes);
+      spdlog::warn("[store] {} does not read its responses ({} bytes pending); closing", c.peer, c.output_bytes);
       close_connection(id, "not reading");
       return;
     }
@@ -376,9 +378,7 @@ struct StoreServer::Impl {
         it->second.graced = false;
         return queue(id, req, Status::Ok);
       }
-      case Op::LeaseRevoke:
-        revoke(req.lease, "revoked by its holder");
-        return queue(id, req, Status::Ok);
+      case Op::LeaseRevoke: revoke(req.lease, "revoked by its holder"); return queue(id, req, Status::Ok);
       case Op::Ping: return queue(id, req, Status::Ok, BodyWriter().u64(revision).bytes());
       case Op::Hello: break;
     }
@@ -468,7 +468,8 @@ struct StoreServer::Impl {
       current = *parsed;
     }
     auto next = std::to_string(current + req.delta);
-    if (!room_for(id, req, req.key.size() + next.size(), it == data.end() ? 0 : it->second.value.size() + req.key.size()))
+    if (!room_for(id, req, req.key.size() + next.size(),
+                  it == data.end() ? 0 : it->second.value.size() + req.key.size()))
       return;
     put(req.key, next, req.lease ? req.lease : (it == data.end() ? 0 : it->second.lease));
     queue(id, req, Status::Ok, BodyWriter().i64(current + req.delta).u64(revision).bytes());
@@ -518,8 +519,7 @@ struct StoreServer::Impl {
 
   void op_watch(std::uint64_t id, const Request& req) {
     if (req.revision < compacted_through) {
-      return queue(id, req, Status::Compacted,
-                   BodyWriter().u64(revision).u32(0).bytes());
+      return queue(id, req, Status::Compacted, BodyWriter().u64(revision).u32(0).bytes());
     }
     if (!answer_watch(id, req)) park(id, req);
   }
@@ -548,7 +548,8 @@ struct StoreServer::Impl {
       if (matching.empty()) return false;
       BodyWriter w;
       w.u64(matching.back()->revision).u32(static_cast<std::uint32_t>(matching.size()));
-      for (const auto* e : matching) w.u8(static_cast<std::uint8_t>(e->type)).str(e->key).str(e->value).u64(e->revision);
+      for (const auto* e : matching)
+        w.u8(static_cast<std::uint8_t>(e->type)).str(e->key).str(e->value).u64(e->revision);
       body = std::make_shared<const std::string>(w.take());
       if (shared) shared->emplace(std::make_pair(req.key, req.revision), body);
     }
@@ -572,7 +573,8 @@ struct StoreServer::Impl {
     std::vector<Parked> ready;
     std::erase_if(parked, [&](const Parked& p) {
       bool done = false;
-      if (p.request.op == Op::Wait) done = all_exist(p.request.keys);
+      if (p.request.op == Op::Wait)
+        done = all_exist(p.request.keys);
       else {
         const auto& last = history.back();
         done = last.revision > p.request.revision && last.key.starts_with(p.request.key);
@@ -582,8 +584,10 @@ struct StoreServer::Impl {
     });
     WatchBodies bodies;
     for (const auto& p : ready) {
-      if (p.request.op == Op::Wait) queue(p.connection, p.request, Status::Ok);
-      else answer_watch(p.connection, p.request, &bodies);
+      if (p.request.op == Op::Wait)
+        queue(p.connection, p.request, Status::Ok);
+      else
+        answer_watch(p.connection, p.request, &bodies);
     }
   }
 
@@ -591,8 +595,7 @@ struct StoreServer::Impl {
     auto it = leases.find(lease_id);
     if (it == leases.end()) return;
     auto keys = std::move(it->second.keys);
-    if (auto c = connections.find(it->second.owner); c != connections.end())
-      c->second.owned_leases.erase(lease_id);
+    if (auto c = connections.find(it->second.owner); c != connections.end()) c->second.owned_leases.erase(lease_id);
     // Watchers of the deleted keys learn how the lease ended and how long after its last
     // keep-alive (docs/rendezvous.md, "Leases"): a member's loss is reported with both.
     const auto since = std::chrono::duration_cast<Millis>(Clock::now() - it->second.renewed).count();
@@ -613,9 +616,12 @@ struct StoreServer::Impl {
     if (now < next_due) return;
     next_due = now + Millis(1000);
     for (const auto& [id, lease] : leases) {
-      if (!lease.confirming) next_due = std::min(next_due, lease.deadline);
-      else if (lease.confirming->wait_for(Millis(0)) == std::future_status::ready) next_due = now;
-      else next_due = std::min(next_due, now + Millis(20));  // look again for Slurm's answer
+      if (!lease.confirming)
+        next_due = std::min(next_due, lease.deadline);
+      else if (lease.confirming->wait_for(Millis(0)) == std::future_status::ready)
+        next_due = now;
+      else
+        next_due = std::min(next_due, now + Millis(20));  // look again for Slurm's answer
     }
     for (const auto& p : parked) next_due = std::min(next_due, p.deadline);
     if (now < next_due) return;  // keep-alives moved every deadline later
@@ -626,8 +632,10 @@ struct StoreServer::Impl {
         auto down = lease.confirming->get();
         lease.confirming.reset();
         if (down == std::optional<bool>(false) && lease.deadline <= now) {
-          spdlog::warn("[store] {} missed its keep-alives but Slurm reports the node up: one more "
-                       "heartbeat timeout of grace", lease.holder);
+          spdlog::warn(
+              "[store] {} missed its keep-alives but Slurm reports the node up: one more "
+              "heartbeat timeout of grace",
+              lease.holder);
           lease.graced = true;
           lease.deadline = now + lease.ttl;
           continue;
@@ -646,14 +654,14 @@ struct StoreServer::Impl {
       return true;
     });
     for (const auto& p : timed_out)
-      queue(p.connection, p.request, Status::Timeout, p.request.op == Op::Watch ? BodyWriter().u64(revision).u32(0).bytes() : std::string());
+      queue(p.connection, p.request, Status::Timeout,
+            p.request.op == Op::Watch ? BodyWriter().u64(revision).u32(0).bytes() : std::string());
     next_due = now;  // deadlines changed above (grace, confirmations): recompute on the next pass
   }
 
   void publish_stats() {
     std::lock_guard lock(stats_mutex);
-    stats_copy = {connections.size(), data.size(), data_bytes, leases.size(), revision,
-                  refused_auth, protocol_errors};
+    stats_copy = {connections.size(), data.size(), data_bytes, leases.size(), revision, refused_auth, protocol_errors};
   }
 };
 

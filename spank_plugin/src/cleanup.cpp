@@ -29,13 +29,14 @@ void remove_user_tree(const std::string& path, uid_t uid, gid_t gid) {
   if (::geteuid() == uid) {
     std::error_code ec;
     std::filesystem::remove_all(path, ec);
-    if (ec) log_error("cannot remove {}: {}", path, ec.message());
-    else log_debug("removed {}", path);
+    if (ec)
+      log_error("cannot remove {}: {}", path, ec.message());
+    else
+      log_debug("removed {}", path);
     return;
   }
   if (::geteuid() != 0) {
-    log_error("not removing {}: it belongs to uid {} and this process runs as uid {}", path, uid,
-              ::geteuid());
+    log_error("not removing {}: it belongs to uid {} and this process runs as uid {}", path, uid, ::geteuid());
     return;
   }
   // Everything the child needs is prepared before fork (the parent may be multi-threaded).
@@ -49,9 +50,7 @@ void remove_user_tree(const std::string& path, uid_t uid, gid_t gid) {
     sigset_t none;  // slurmstepd blocks signals; do not pass that on
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
-    if (::setgroups(0, nullptr) != 0 || ::setresgid(gid, gid, gid) != 0 ||
-        ::setresuid(uid, uid, uid) != 0)
-      _exit(126);
+    if (::setgroups(0, nullptr) != 0 || ::setresgid(gid, gid, gid) != 0 || ::setresuid(uid, uid, uid) != 0) _exit(126);
     ::execv(argv[0], const_cast<char* const*>(argv));
     _exit(127);
   }

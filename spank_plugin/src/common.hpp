@@ -20,8 +20,8 @@ inline constexpr const char* kPluginName = "elastrun";  // SPANK_PLUGIN(elastrun
 
 // One process loads one plugin instance; Slurm calls it from one thread.
 struct State {
-  SiteConfig site;             // plugstack.conf arguments
-  bool torch_env = false;      // effective: the site default, then SLURM_SPANK_* / the option
+  SiteConfig site;                // plugstack.conf arguments
+  bool torch_env = false;         // effective: the site default, then SLURM_SPANK_* / the option
   bool torch_env_option = false;  // --torch-env (or its environment form) was given
   // slurmstepd: the step's master node and its address, resolved once in user_init (tasks are
   // forked from slurmstepd afterwards and inherit this), or why that failed.

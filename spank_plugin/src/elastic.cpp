@@ -9,17 +9,15 @@ namespace elastrun::spank {
 bool safe_token(std::string_view text) {
   if (text.empty() || text.size() > 200 || text == "." || text == "..") return false;
   for (char c : text)
-    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.')
-      return false;
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') return false;
   return true;
 }
 
 std::vector<std::string> agent_flags(const AgentPlan& plan) {
   std::vector<std::string> flags;
   if (plan.range.min > 0)
-    flags.push_back(plan.range.min == plan.range.max
-                        ? fmt::format("--nnodes={}", plan.range.min)
-                        : fmt::format("--nnodes={}:{}", plan.range.min, plan.range.max));
+    flags.push_back(plan.range.min == plan.range.max ? fmt::format("--nnodes={}", plan.range.min)
+                                                     : fmt::format("--nnodes={}:{}", plan.range.min, plan.range.max));
   if (plan.nproc > 0) flags.push_back(fmt::format("--nproc-per-node={}", plan.nproc));
   flags.push_back("--rdzv-backend=c10d");
   flags.push_back(fmt::format("--rdzv-endpoint={}:{}", plan.store_host, plan.store_port));

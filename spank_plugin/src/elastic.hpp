@@ -14,23 +14,23 @@ namespace elastrun::spank {
 
 // Environment variables the plugin uses (docs/spank.md). srun -> tasks go through srun's
 // environment under SLURM_* names: srun passes SLURM_* on even with --export=NONE (verified).
-inline constexpr const char* kAgentEnv = "ELASTRUN_SPANK_AGENT";              // agent path override
-inline constexpr const char* kStorePortEnv = "SLURM_ELASTRUN_STORE_PORT";     // srun -> tasks
-inline constexpr const char* kStoreHostEnv = "SLURM_ELASTRUN_STORE_HOST";     // optional override
-inline constexpr const char* kRunIdEnv = "SLURM_ELASTRUN_RUN_ID";             // srun -> tasks
-inline constexpr const char* kStepTokenEnv = "SLURM_ELASTRUN_TOKEN";          // srun -> tasks
-inline constexpr const char* kTokenEnv = "ELASTRUN_RDZV_TOKEN";               // -> store, agents
-inline constexpr const char* kProgramEnv = "ELASTRUN_SPANK_PROGRAM";          // task -> agent
-inline constexpr const char* kAgentArgsEnv = "ELASTRUN_SPANK_AGENT_ARGS";     // task -> agent
+inline constexpr const char* kAgentEnv = "ELASTRUN_SPANK_AGENT";           // agent path override
+inline constexpr const char* kStorePortEnv = "SLURM_ELASTRUN_STORE_PORT";  // srun -> tasks
+inline constexpr const char* kStoreHostEnv = "SLURM_ELASTRUN_STORE_HOST";  // optional override
+inline constexpr const char* kRunIdEnv = "SLURM_ELASTRUN_RUN_ID";          // srun -> tasks
+inline constexpr const char* kStepTokenEnv = "SLURM_ELASTRUN_TOKEN";       // srun -> tasks
+inline constexpr const char* kTokenEnv = "ELASTRUN_RDZV_TOKEN";            // -> store, agents
+inline constexpr const char* kProgramEnv = "ELASTRUN_SPANK_PROGRAM";       // task -> agent
+inline constexpr const char* kAgentArgsEnv = "ELASTRUN_SPANK_AGENT_ARGS";  // task -> agent
 
 // What one node's agent is told (everything else it detects from the Slurm step).
 struct AgentPlan {
-  ElasticRange range;               // {0, 0}: the step's node count
-  int nproc = 0;                    // 0: the agent's default (1)
-  std::string store_host;           // where srun's store helper listens
+  ElasticRange range;      // {0, 0}: the step's node count
+  int nproc = 0;           // 0: the agent's default (1)
+  std::string store_host;  // where srun's store helper listens
   std::uint16_t store_port = 0;
   std::string run_id;
-  std::string log_dir;              // the per-step, per-node state directory
+  std::string log_dir;  // the per-step, per-node state directory
 };
 
 // The agent's flags, one per element, each a single `--flag=value` token.

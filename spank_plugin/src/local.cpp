@@ -44,8 +44,7 @@ using Fd = elastrun::util::UniqueFd;
 
 std::pair<Fd, Fd> make_pipe() {
   int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0)
-    throw std::runtime_error(fmt::format("pipe2: {}", std::strerror(errno)));
+  if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error(fmt::format("pipe2: {}", std::strerror(errno)));
   return {Fd(fds[0]), Fd(fds[1])};
 }
 
@@ -73,9 +72,8 @@ class StoreHelper {
     // Everything the child needs is built before fork (srun has threads).
     const std::string ready_fd = std::to_string(ready_w.get());
     const std::string life_fd = std::to_string(life_r.get());
-    std::vector<std::string> args = {agent,        "store-serve", "--run-id", run_id,
-                                     "--rdzv-auth", "token",      "--ready-fd", ready_fd,
-                                     "--lifeline-fd", life_fd};
+    std::vector<std::string> args = {agent,   "store-serve", "--run-id", run_id,          "--rdzv-auth",
+                                     "token", "--ready-fd",  ready_fd,   "--lifeline-fd", life_fd};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -105,7 +103,7 @@ class StoreHelper {
         ::dup2(null, 0);
         if (null != 0) ::close(null);
       }
-      ::close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);     // none of srun's descriptors leak in,
+      ::close_range(3, ~0U, CLOSE_RANGE_CLOEXEC);   // none of srun's descriptors leak in,
       for (int fd : keep) ::fcntl(fd, F_SETFD, 0);  // only these two survive exec
       ::execve(argv[0], argv.data(), envp.data());
       (void)!::write(2, exec_error.data(), exec_error.size());
@@ -149,8 +147,7 @@ class StoreHelper {
     std::string got;
     const auto deadline = Clock::now() + std::chrono::seconds(30);
     while (got.find('\n') == std::string::npos) {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
       if (left <= 0) {
         stop();
         throw std::runtime_error(fmt::format("{} store-serve did not report its port within 30 s", agent));
@@ -165,10 +162,10 @@ class StoreHelper {
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         stop();
-        throw std::runtime_error(fmt::format(
-            "{} store-serve exited before reporting its port (is it an elastrun binary? set the "
-            "site argument agent= or ELASTRUN_SPANK_AGENT)",
-            agent));
+        throw std::runtime_error(
+            fmt::format("{} store-serve exited before reporting its port (is it an elastrun binary? set the "
+                        "site argument agent= or ELASTRUN_SPANK_AGENT)",
+                        agent));
       }
       got.append(buf, static_cast<std::size_t>(n));
     }
@@ -193,8 +190,7 @@ std::optional<StoreHelper>& store() {
 uint32_t get_u32(spank_t sp, spank_item_t item, const char* name) {
   uint32_t value = 0;
   const spank_err_t rc = spank_get_item(sp, item, &value);
-  if (rc != ESPANK_SUCCESS)
-    throw std::runtime_error(fmt::format("spank_get_item({}): {}", name, spank_error_text(rc)));
+  if (rc != ESPANK_SUCCESS) throw std::runtime_error(fmt::format("spank_get_item({}): {}", name, spank_error_text(rc)));
   return value;
 }
 
@@ -217,8 +213,8 @@ int elastic_user_init(spank_t sp) {
     return -1;
   }
   if (s.elastic_range.min > static_cast<int>(nnodes)) {
-    log_error("--elastic={}:{}: the step has only {} node(s), fewer than MIN; use -N{} or more",
-              s.elastic_range.min, s.elastic_range.max, nnodes, s.elastic_range.min);
+    log_error("--elastic={}:{}: the step has only {} node(s), fewer than MIN; use -N{} or more", s.elastic_range.min,
+              s.elastic_range.max, nnodes, s.elastic_range.min);
     return -1;
   }
   const char* restarts = std::getenv("SLURM_RESTART_COUNT");
@@ -229,8 +225,8 @@ int elastic_user_init(spank_t sp) {
   set_env(kStorePortEnv, std::to_string(store()->port()));
   set_env(kRunIdEnv, run_id);
   set_env(kStepTokenEnv, token);
-  log_verbose("step {}.{}: --elastic store (pid {}) listens on port {}, run '{}', agent {}", job,
-              step, store()->pid(), store()->port(), run_id, agent);
+  log_verbose("step {}.{}: --elastic store (pid {}) listens on port {}, run '{}', agent {}", job, step, store()->pid(),
+              store()->port(), run_id, agent);
   return 0;
 }
 
@@ -246,9 +242,8 @@ int init_post_opt(spank_t) {
         "its workers RANK, WORLD_SIZE, MASTER_ADDR, ...; drop --torch-env (or --torch-env=no)");
     return -1;
   }
-  log_debug("site: torch_env={} master_addr={} run_id={} agent={} tmpdir={}",
-            s.site.torch_env ? "yes" : "no", to_string(s.site.master_addr),
-            to_string(s.site.run_id), agent_path(nullptr), s.site.tmpdir);
+  log_debug("site: torch_env={} master_addr={} run_id={} agent={} tmpdir={}", s.site.torch_env ? "yes" : "no",
+            to_string(s.site.master_addr), to_string(s.site.run_id), agent_path(nullptr), s.site.tmpdir);
   return 0;
 }
 

@@ -37,7 +37,7 @@ struct SiteConfig {
   bool torch_env = false;  // torch_env=yes: every step gets the torch environment by default
   MasterAddrMode master_addr = MasterAddrMode::Auto;
   RunIdMode run_id = RunIdMode::Step;
-  std::string agent;          // agent=/path: the elastrun binary for --elastic (empty: built-in default)
+  std::string agent;            // agent=/path: the elastrun binary for --elastic (empty: built-in default)
   std::string tmpdir = "/tmp";  // tmpdir=/path: where --elastic keeps per-step state directories
 };
 

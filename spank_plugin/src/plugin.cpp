@@ -66,8 +66,7 @@ int guarded(const char* where, Fn&& fn) noexcept {
 // sbatch/salloc: --elastic belongs to a step (the store lives in that step's srun).
 int refuse_in_allocator(const char* option) {
   if (spank_context() != S_CTX_ALLOCATOR) return 0;
-  log_error("{} applies to a job step: use `srun {} ...` inside the job, not sbatch/salloc",
-            option, option);
+  log_error("{} applies to a job step: use `srun {} ...` inside the job, not sbatch/salloc", option, option);
   return -1;
 }
 

@@ -47,16 +47,14 @@ namespace {
 bool normal_step(spank_t sp) {
   uint32_t step = 0;
   spank_err_t rc = spank_get_item(sp, S_JOB_STEPID, &step);
-  if (rc != ESPANK_SUCCESS)
-    throw std::runtime_error("spank_get_item(S_JOB_STEPID): " + spank_error_text(rc));
+  if (rc != ESPANK_SUCCESS) throw std::runtime_error("spank_get_item(S_JOB_STEPID): " + spank_error_text(rc));
   return step <= SLURM_MAX_NORMAL_STEP_ID;
 }
 
 rdzv::EnvMap job_environment(spank_t sp) {
   char** env = nullptr;
   spank_err_t rc = spank_get_item(sp, S_JOB_ENV, &env);
-  if (rc != ESPANK_SUCCESS || !env)
-    throw std::runtime_error("spank_get_item(S_JOB_ENV): " + spank_error_text(rc));
+  if (rc != ESPANK_SUCCESS || !env) throw std::runtime_error("spank_get_item(S_JOB_ENV): " + spank_error_text(rc));
   rdzv::EnvMap map;
   for (char** e = env; *e; ++e) {
     std::string_view entry(*e);
@@ -82,15 +80,15 @@ std::string resolve_master(const std::string& node, MasterAddrMode mode) {
   if (mode == MasterAddrMode::Hostname) return node;
   if (mode == MasterAddrMode::Auto && resolves(node)) return node;
   // NodeAddr: slurm.conf's node table first (no RPC), then slurmctld (dynamic/cloud nodes).
-  if (auto addr = slurm_api::conf_node_addr(node); addr && !addr->empty() &&
-      (mode == MasterAddrMode::NodeAddr || *addr != node))
+  if (auto addr = slurm_api::conf_node_addr(node);
+      addr && !addr->empty() && (mode == MasterAddrMode::NodeAddr || *addr != node))
     return *addr;
   std::string addr = slurm_api::ctld_node_addr(node);
   if (mode == MasterAddrMode::Auto && addr == node)
-    throw std::runtime_error(fmt::format(
-        "the step's first node '{}' does not resolve (getaddrinfo) and its NodeAddr is the same "
-        "name; add it to DNS or /etc/hosts, or set NodeAddr in slurm.conf",
-        node));
+    throw std::runtime_error(
+        fmt::format("the step's first node '{}' does not resolve (getaddrinfo) and its NodeAddr is the same "
+                    "name; add it to DNS or /etc/hosts, or set NodeAddr in slurm.conf",
+                    node));
   return addr;
 }
 
@@ -115,24 +113,20 @@ template <typename T>
 T get_item(spank_t sp, spank_item_t item, const char* name) {
   T value{};
   const spank_err_t rc = spank_get_item(sp, item, &value);
-  if (rc != ESPANK_SUCCESS)
-    throw std::runtime_error(fmt::format("spank_get_item({}): {}", name, spank_error_text(rc)));
+  if (rc != ESPANK_SUCCESS) throw std::runtime_error(fmt::format("spank_get_item({}): {}", name, spank_error_text(rc)));
   return value;
 }
 
 // The per-step, per-node directory for the agent's files, created as the user (task_init runs
 // as the user). An existing one must be ours and a real directory (tmpdir may be shared).
-std::string make_step_dir(const std::string& base, uint32_t job, uint32_t step,
-                          const std::string& node) {
+std::string make_step_dir(const std::string& base, uint32_t job, uint32_t step, const std::string& node) {
   const std::string path = base + "/" + step_dir_name(job, step, node);
   if (::mkdir(path.c_str(), 0700) != 0) {
     if (errno != EEXIST)
-      throw std::runtime_error(fmt::format("cannot create {}: {} (site argument tmpdir)", path,
-                                           std::strerror(errno)));
+      throw std::runtime_error(fmt::format("cannot create {}: {} (site argument tmpdir)", path, std::strerror(errno)));
     struct stat st {};
     if (::lstat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid())
-      throw std::runtime_error(fmt::format("{} exists and is not a directory of uid {}", path,
-                                           ::getuid()));
+      throw std::runtime_error(fmt::format("{} exists and is not a directory of uid {}", path, ::getuid()));
   }
   return path;
 }
@@ -141,10 +135,10 @@ void elastic_task_init(spank_t sp) {
   const auto& s = state();
   const auto local_tasks = get_item<uint32_t>(sp, S_JOB_LOCAL_TASK_COUNT, "S_JOB_LOCAL_TASK_COUNT");
   if (local_tasks != 1)
-    throw std::runtime_error(fmt::format(
-        "one elastrun agent runs per node, but this node has {} tasks of the step; use "
-        "srun --ntasks-per-node=1 (workers per node: --elastic-nproc=N)",
-        local_tasks));
+    throw std::runtime_error(
+        fmt::format("one elastrun agent runs per node, but this node has {} tasks of the step; use "
+                    "srun --ntasks-per-node=1 (workers per node: --elastic-nproc=N)",
+                    local_tasks));
   const uint32_t job = get_item<uint32_t>(sp, S_JOB_ID, "S_JOB_ID");
   const uint32_t step = get_item<uint32_t>(sp, S_JOB_STEPID, "S_JOB_STEPID");
   const auto env = job_environment(sp);
@@ -159,21 +153,20 @@ void elastic_task_init(spank_t sp) {
   if (plan.store_host.empty()) plan.store_host = env_value(env, "SLURM_LAUNCH_NODE_IPADDR");
   const std::string token = env_value(env, kStepTokenEnv);
   if (port.empty() || plan.run_id.empty() || token.empty())
-    throw std::runtime_error(fmt::format(
-        "the task environment lacks {}, {} or {}, which srun's plugin sets (is the plugin "
-        "loaded by srun, i.e. listed in the submit host's plugstack.conf?)",
-        kStorePortEnv, kRunIdEnv, kStepTokenEnv));
+    throw std::runtime_error(
+        fmt::format("the task environment lacks {}, {} or {}, which srun's plugin sets (is the plugin "
+                    "loaded by srun, i.e. listed in the submit host's plugstack.conf?)",
+                    kStorePortEnv, kRunIdEnv, kStepTokenEnv));
   if (plan.store_host.empty())
     throw std::runtime_error("no SLURM_LAUNCH_NODE_IPADDR in the task environment: where is srun?");
   const long p = std::strtol(port.c_str(), nullptr, 10);
   if (p <= 0 || p > 65535 || !safe_token(plan.run_id) || !safe_token(plan.store_host))
-    throw std::runtime_error(fmt::format("bad {}='{}', {}='{}' or store host '{}'", kStorePortEnv,
-                                         port, kRunIdEnv, plan.run_id, plan.store_host));
+    throw std::runtime_error(fmt::format("bad {}='{}', {}='{}' or store host '{}'", kStorePortEnv, port, kRunIdEnv,
+                                         plan.run_id, plan.store_host));
   plan.store_port = static_cast<std::uint16_t>(p);
   // The step's node index names the directory: slurmstepd knows it at step end too (it does
   // not know SLURMD_NODENAME, which is set in each task only).
-  const std::string node =
-      std::to_string(get_item<uint32_t>(sp, S_JOB_NODEID, "S_JOB_NODEID"));
+  const std::string node = std::to_string(get_item<uint32_t>(sp, S_JOB_NODEID, "S_JOB_NODEID"));
   plan.log_dir = make_step_dir(s.site.tmpdir, job, step, node);
 
   int argc = 0;
@@ -186,24 +179,22 @@ void elastic_task_init(spank_t sp) {
   const char* agent_env = env.contains(kAgentEnv) ? env.at(kAgentEnv).c_str() : nullptr;
   agent = agent_path(agent_env);
   if (::access(agent.c_str(), X_OK) != 0)
-    throw std::runtime_error(fmt::format(
-        "the elastrun agent '{}' is not executable here ({}); install it or set the site "
-        "argument agent= (or {})",
-        agent, std::strerror(errno), kAgentEnv));
+    throw std::runtime_error(
+        fmt::format("the elastrun agent '{}' is not executable here ({}); install it or set the site "
+                    "argument agent= (or {})",
+                    agent, std::strerror(errno), kAgentEnv));
   const std::vector<std::pair<const char*, std::string>> vars = {
       {kProgramEnv, argv[0]}, {kAgentArgsEnv, join_lines(agent_flags(plan))}, {kTokenEnv, token}};
   for (const auto& [name, value] : vars) {
     const spank_err_t set = spank_setenv(sp, name, value.c_str(), 1);
     if (set != ESPANK_SUCCESS)
-      throw std::runtime_error(
-          fmt::format("cannot set {} in the task environment: {}", name, spank_error_text(set)));
+      throw std::runtime_error(fmt::format("cannot set {} in the task environment: {}", name, spank_error_text(set)));
   }
   const spank_err_t unset = spank_unsetenv(sp, kStepTokenEnv);  // one copy of the secret is enough
   if (unset != ESPANK_SUCCESS)
-    throw std::runtime_error(fmt::format("cannot unset {} in the task environment: {}",
-                                         kStepTokenEnv, spank_error_text(unset)));
-  log_debug("task of step {}.{} (node index {}) becomes the agent {} (program {})", job, step,
-            node, agent, argv[0]);
+    throw std::runtime_error(
+        fmt::format("cannot unset {} in the task environment: {}", kStepTokenEnv, spank_error_text(unset)));
+  log_debug("task of step {}.{} (node index {}) becomes the agent {} (program {})", job, step, node, agent, argv[0]);
   argv[0] = agent.data();
 }
 
@@ -250,10 +241,10 @@ int task_init(spank_t sp) {
       s.master_node = master_node(task);
       s.master_addr = resolve_master(s.master_node, s.site.master_addr);
     } else if (master_node(task) != s.master_node) {
-      throw std::runtime_error(fmt::format(
-          "the task's first step node '{}' differs from the step's '{}'; the step environment "
-          "is inconsistent",
-          master_node(task), s.master_node));
+      throw std::runtime_error(
+          fmt::format("the task's first step node '{}' differs from the step's '{}'; the step environment "
+                      "is inconsistent",
+                      master_node(task), s.master_node));
     }
     vars = torch_environment(task, s.master_addr, s.site.run_id);
   } catch (const std::exception& e) {
@@ -262,8 +253,7 @@ int task_init(spank_t sp) {
   for (const auto& [name, value] : vars) {
     spank_err_t rc = spank_setenv(sp, name.c_str(), value.c_str(), 1);
     if (rc != ESPANK_SUCCESS)
-      fail_task(fmt::format("--torch-env: cannot set {} in the task environment: {}", name,
-                            spank_error_text(rc)));
+      fail_task(fmt::format("--torch-env: cannot set {} in the task environment: {}", name, spank_error_text(rc)));
   }
   return 0;
 }

@@ -59,24 +59,20 @@ std::optional<std::string> conf_node_addr(const std::string& node) {
 }
 
 std::string ctld_node_addr(const std::string& node) {
-  static const auto load =
-      lookup<decltype(&slurm_load_node_single)>("slurm_load_node_single");
-  static const auto release =
-      lookup<decltype(&slurm_free_node_info_msg)>("slurm_free_node_info_msg");
+  static const auto load = lookup<decltype(&slurm_load_node_single)>("slurm_load_node_single");
+  static const auto release = lookup<decltype(&slurm_free_node_info_msg)>("slurm_free_node_info_msg");
   static const auto errnum = lookup<decltype(&slurm_get_errno)>("slurm_get_errno");
   static const auto strerr = lookup<decltype(&slurm_strerror)>("slurm_strerror");
-  if (!load || !release)
-    throw std::runtime_error("this Slurm process does not export slurm_load_node_single");
+  if (!load || !release) throw std::runtime_error("this Slurm process does not export slurm_load_node_single");
   node_info_msg_t* info = nullptr;
   std::string name = node;
   if (load(&info, name.data(), SHOW_ALL) != SLURM_SUCCESS || !info) {
     const int e = errnum ? errnum() : 0;
-    throw std::runtime_error(fmt::format("slurm_load_node_single({}) failed: {}", node,
-                                         strerr ? strerr(e) : std::to_string(e)));
+    throw std::runtime_error(
+        fmt::format("slurm_load_node_single({}) failed: {}", node, strerr ? strerr(e) : std::to_string(e)));
   }
   std::unique_ptr<node_info_msg_t, decltype(release)> guard(info, release);
-  if (info->record_count < 1 || !info->node_array[0].node_addr ||
-      !*info->node_array[0].node_addr)
+  if (info->record_count < 1 || !info->node_array[0].node_addr || !*info->node_array[0].node_addr)
     throw std::runtime_error(fmt::format("slurmctld reports no NodeAddr for node {}", node));
   return info->node_array[0].node_addr;
 }

@@ -5,11 +5,21 @@
 namespace elastrun::spank {
 
 const std::vector<std::string>& torch_variable_names() {
-  static const std::vector<std::string> names = {
-      "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK",
-      "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR",
-      "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-      "TORCHELASTIC_MAX_RESTARTS"};
+  static const std::vector<std::string> names = {"RANK",
+                                                 "LOCAL_RANK",
+                                                 "WORLD_SIZE",
+                                                 "LOCAL_WORLD_SIZE",
+                                                 "GROUP_RANK",
+                                                 "NODE_RANK",
+                                                 "GROUP_WORLD_SIZE",
+                                                 "ROLE_RANK",
+                                                 "ROLE_NAME",
+                                                 "ROLE_WORLD_SIZE",
+                                                 "MASTER_ADDR",
+                                                 "MASTER_PORT",
+                                                 "TORCHELASTIC_RUN_ID",
+                                                 "TORCHELASTIC_RESTART_COUNT",
+                                                 "TORCHELASTIC_MAX_RESTARTS"};
   return names;
 }
 
@@ -17,8 +27,10 @@ rdzv::EnvMap slurm_view(rdzv::EnvMap env) {
   for (const auto& name : torch_variable_names()) env.erase(name);
   for (auto it = env.begin(); it != env.end();) {
     // mpirun variables would take precedence over the step (an srun inside mpirun is not ours).
-    if (it->first.starts_with("OMPI_COMM_WORLD_")) it = env.erase(it);
-    else ++it;
+    if (it->first.starts_with("OMPI_COMM_WORLD_"))
+      it = env.erase(it);
+    else
+      ++it;
   }
   return env;
 }
@@ -41,8 +53,7 @@ std::string run_id(const rdzv::DetectedEnv& step, RunIdMode mode) {
   return fmt::format("{}.{}.r{}", s.job_id, s.step_id.value_or("0"), s.restart_count);
 }
 
-EnvVars torch_environment(const rdzv::DetectedEnv& task, const std::string& master_addr,
-                          RunIdMode mode) {
+EnvVars torch_environment(const rdzv::DetectedEnv& task, const std::string& master_addr, RunIdMode mode) {
   const auto& p = task.placement;
   const auto& endpoint = *task.rdzv_endpoint;
   auto str = [](int v) { return std::to_string(v); };

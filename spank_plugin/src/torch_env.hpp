@@ -34,7 +34,6 @@ std::string master_node(const rdzv::DetectedEnv& step);
 std::string run_id(const rdzv::DetectedEnv& step, RunIdMode mode);
 
 // The variables for one task. `master_addr` is the resolved address of master_node().
-EnvVars torch_environment(const rdzv::DetectedEnv& task, const std::string& master_addr,
-                          RunIdMode mode);
+EnvVars torch_environment(const rdzv::DetectedEnv& task, const std::string& master_addr, RunIdMode mode);
 
 }  // namespace elastrun::spank

@@ -23,8 +23,7 @@ int main(int argc, char** argv) {
     for (const auto& t : model) {
       const std::string file = "expected/" + std::to_string(index++) + ".bin";
       std::ofstream stream(out / file, std::ios::binary);
-      stream.write(reinterpret_cast<const char*>(t.bytes.data()),
-                   static_cast<std::streamsize>(t.bytes.size()));
+      stream.write(reinterpret_cast<const char*>(t.bytes.data()), static_cast<std::streamsize>(t.bytes.size()));
       if (!stream) throw std::runtime_error("cannot write " + (out / file).string());
       expected[t.name] = {{"dtype", dtype_name(t.dtype)}, {"shape", t.shape}, {"file", file}};
     }

@@ -53,8 +53,7 @@ void check_async_equals_sync(const SaveOptions& options) {
       if (t.placement == Placement::sharded) std::tie(offset, extent) = testing::world4_slice(t, rank);
       slices.push_back(extract_box(t.bytes, t.shape, offset, extent, dtype_size(t.dtype)));
       views.push_back(t.placement == Placement::sharded
-                          ? TensorView::sharded(t.name, t.dtype, t.shape, offset, extent,
-                                                slices.back().data())
+                          ? TensorView::sharded(t.name, t.dtype, t.shape, offset, extent, slices.back().data())
                           : TensorView::replicated(t.name, t.dtype, t.shape, slices.back().data()));
     }
     AsyncSaver saver(async_dir.path(), comm, options);
@@ -120,9 +119,8 @@ TEST(CkptAsync, ForkSnapshotOfAliasingViewsKeepsEveryViewsBytes) {
   for (std::size_t i = 0; i < flat.size(); ++i) flat[i] = static_cast<std::int32_t>(i);
   const std::vector<std::int32_t> expected = flat;
   const std::size_t half = flat.size() / 2;
-  std::vector<TensorView> views = {
-      TensorView::replicated("flat", DType::int32, {flat.size()}, flat.data()),
-      TensorView::replicated("upper", DType::int32, {half}, flat.data() + half)};
+  std::vector<TensorView> views = {TensorView::replicated("flat", DType::int32, {flat.size()}, flat.data()),
+                                   TensorView::replicated("upper", DType::int32, {half}, flat.data() + half)};
   AsyncSaver saver(dir.path(), comm, options);
   saver.save(1, views, {});
   std::fill(flat.begin(), flat.end(), -1);
@@ -168,8 +166,7 @@ TEST(CkptAsync, ForkSnapshotWriterKilledOrFailingFailsTheSaveAndKeepsThePrevious
       saver.wait();
       ADD_FAILURE() << "a failing snapshot writer must fail the save";
     } catch (const CheckpointError& e) {
-      EXPECT_NE(std::string(e.what()).find("injected failure in the writer process"), std::string::npos)
-          << e.what();
+      EXPECT_NE(std::string(e.what()).find("injected failure in the writer process"), std::string::npos) << e.what();
     }
   }
   EXPECT_EQ(list_steps(dir.path()).size(), 1U);
@@ -189,9 +186,8 @@ TEST(CkptAsync, StagingGrowsWhenTheStateGrowsAndOddSizesKeepTheirBytes) {
   std::vector<double> medium(5, 2.5);
   std::vector<std::int16_t> large(300'000);
   for (std::size_t i = 0; i < large.size(); ++i) large[i] = static_cast<std::int16_t>(i * 7);
-  std::vector<TensorView> views = {
-      TensorView::replicated("small", DType::uint8, {3}, small.data()),
-      TensorView::replicated("medium", DType::float64, {5}, medium.data())};
+  std::vector<TensorView> views = {TensorView::replicated("small", DType::uint8, {3}, small.data()),
+                                   TensorView::replicated("medium", DType::float64, {5}, medium.data())};
   saver.save(1, views, {});
   ASSERT_NO_THROW(saver.wait());
   views.push_back(TensorView::replicated("large", DType::int16, {large.size()}, large.data()));
@@ -253,9 +249,8 @@ TEST(CkptAsync, ReplicatedSnapshotHoldsOnlyThisRanksPieceYetSavesEverything) {
   const auto awkward = testing::make_tensor(5, DType::int16, {2, 6, 3});
   const auto plain = testing::make_tensor(6, DType::float64, {7});
   run_ranks(3, [&](int, Communicator& comm) {
-    const std::vector<TensorView> views = {
-        TensorView::replicated("awkward", DType::int16, {2, 6, 3}, awkward.data()),
-        TensorView::replicated("plain", DType::float64, {7}, plain.data())};
+    const std::vector<TensorView> views = {TensorView::replicated("awkward", DType::int16, {2, 6, 3}, awkward.data()),
+                                           TensorView::replicated("plain", DType::float64, {7}, plain.data())};
     AsyncSaver saver(dir.path(), comm);
     saver.save(4, views, {});
     EXPECT_NO_THROW(saver.wait());
@@ -288,8 +283,7 @@ TEST(CkptExport, SafetensorsHeaderAndBytes) {
     const auto begin = entry.at("data_offsets")[0].get<std::size_t>();
     const auto end = entry.at("data_offsets")[1].get<std::size_t>();
     ASSERT_EQ(end - begin, t.bytes.size()) << t.name;
-    EXPECT_EQ(0, std::memcmp(file.data() + data_start + begin, t.bytes.data(), t.bytes.size()))
-        << t.name;
+    EXPECT_EQ(0, std::memcmp(file.data() + data_start + begin, t.bytes.data(), t.bytes.size())) << t.name;
   }
 }
 

@@ -17,17 +17,17 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::extract_box;
-using testing::make_tensor;
 using testing::GlobalTensor;
-using testing::world4_model;
-using testing::save_world4;
+using testing::make_tensor;
 using testing::run_ranks;
+using testing::save_world4;
 using testing::split;
 using testing::TempDir;
+using testing::world4_model;
 
 TEST(CkptDType, NamesRoundTripAndSizes) {
-  for (DType d : {DType::float16, DType::bfloat16, DType::float32, DType::float64, DType::int8,
-                  DType::int16, DType::int32, DType::int64, DType::uint8, DType::boolean}) {
+  for (DType d : {DType::float16, DType::bfloat16, DType::float32, DType::float64, DType::int8, DType::int16,
+                  DType::int32, DType::int64, DType::uint8, DType::boolean}) {
     EXPECT_EQ(dtype_from_name(dtype_name(d)), d);
   }
   EXPECT_EQ(dtype_size(DType::bfloat16), 2U);
@@ -47,8 +47,7 @@ TEST(CkptDetail, CopyBoxMatchesNaiveExtraction) {
   // Into the middle of a larger destination.
   const Shape dst_shape = {3, 4, 7};
   std::vector<std::byte> dst(element_count(dst_shape) * 2, std::byte{0});
-  detail::copy_box(global.data(), shape, {0, 1, 1}, dst.data(), dst_shape, {1, 1, 2}, {2, 2, 4},
-                   2);
+  detail::copy_box(global.data(), shape, {0, 1, 1}, dst.data(), dst_shape, {1, 1, 2}, {2, 2, 4}, 2);
   const auto back = extract_box(dst, dst_shape, {1, 1, 2}, {2, 2, 4}, 2);
   EXPECT_EQ(back, extract_box(global, shape, {0, 1, 1}, {2, 2, 4}, 2));
 }
@@ -86,10 +85,8 @@ TEST(CkptDetail, StepNames) {
 // Every dtype and a range of shapes including 0-d and empty, world 1.
 TEST(CkptRoundTrip, EveryDTypeAndShape) {
   TempDir dir;
-  const std::vector<DType> dtypes = {DType::float16, DType::bfloat16, DType::float32,
-                                     DType::float64, DType::int8,     DType::int16,
-                                     DType::int32,   DType::int64,    DType::uint8,
-                                     DType::boolean};
+  const std::vector<DType> dtypes = {DType::float16, DType::bfloat16, DType::float32, DType::float64, DType::int8,
+                                     DType::int16,   DType::int32,    DType::int64,   DType::uint8,   DType::boolean};
   const std::vector<Shape> shapes = {{}, {0}, {1}, {7}, {3, 0, 2}, {4, 5}, {2, 3, 4, 5}};
   std::map<std::string, std::pair<DType, Shape>> specs;
   std::map<std::string, std::vector<std::byte>> data;
@@ -125,8 +122,7 @@ TEST(CkptRoundTrip, EveryDTypeAndShape) {
     for (bool verify : {true, false}) {
       Checkpoint fresh(saved.path);  // verification state is per object
       std::vector<std::byte> out(data[name].size(), std::byte{0x5a});
-      fresh.read(TensorTarget::whole(name, spec.first, spec.second, out.data()),
-                 ReadOptions{verify});
+      fresh.read(TensorTarget::whole(name, spec.first, spec.second, out.data()), ReadOptions{verify});
       EXPECT_EQ(out, data[name]) << name << " verify=" << verify;
     }
   }
@@ -134,8 +130,8 @@ TEST(CkptRoundTrip, EveryDTypeAndShape) {
 
 // Restores the world-4 checkpoint with `world` ranks, each asking for a dim-0 split of every
 // tensor (rank's rows) and compares bit-exactly against the global tensors.
-void expect_restore_with_world(const fs::path& root, const std::vector<GlobalTensor>& model,
-                               int world, std::uint64_t expected_step) {
+void expect_restore_with_world(const fs::path& root, const std::vector<GlobalTensor>& model, int world,
+                               std::uint64_t expected_step) {
   run_ranks(world, [&](int rank, Communicator& comm) {
     std::vector<std::vector<std::byte>> buffers;
     std::vector<TensorTarget> targets;
@@ -158,8 +154,7 @@ void expect_restore_with_world(const fs::path& root, const std::vector<GlobalTen
     EXPECT_EQ(restored->step, expected_step);
     EXPECT_EQ(restored->metadata.at("step_meta"), expected_step);
     for (std::size_t i = 0; i < model.size(); ++i) {
-      EXPECT_EQ(buffers[i], expected[i]) << model[i].name << " world " << world << " rank "
-                                         << rank;
+      EXPECT_EQ(buffers[i], expected[i]) << model[i].name << " world " << world << " rank " << rank;
     }
   });
 }
@@ -189,8 +184,7 @@ TEST(CkptReshard, ArbitraryBoxesWithoutVerification) {
   const Shape offset = {3, 2};
   const Shape extent = {5, 4};
   std::vector<std::byte> out(element_count(extent) * 4);
-  checkpoint.read(TensorTarget::box(w.name, w.dtype, offset, extent, out.data()),
-                  ReadOptions{false});
+  checkpoint.read(TensorTarget::box(w.name, w.dtype, offset, extent, out.data()), ReadOptions{false});
   EXPECT_EQ(out, extract_box(w.bytes, w.shape, offset, extent, 4));
 }
 
@@ -207,14 +201,12 @@ TEST(CkptReshard, ReadsTouchOnlyOverlappingShards) {
   for (bool verify : {true, false}) {
     Checkpoint checkpoint(step);
     std::vector<std::byte> top(5 * 7 * 4);
-    checkpoint.read(TensorTarget::box(w.name, w.dtype, {0, 0}, {5, 7}, top.data()),
-                    ReadOptions{verify});
+    checkpoint.read(TensorTarget::box(w.name, w.dtype, {0, 0}, {5, 7}, top.data()), ReadOptions{verify});
     EXPECT_EQ(top, extract_box(w.bytes, w.shape, {0, 0}, {5, 7}, 4));
     std::vector<std::byte> reaching(6 * 7 * 4);
-    EXPECT_THROW(checkpoint.read(TensorTarget::box(w.name, w.dtype, {0, 0}, {6, 7},
-                                                   reaching.data()),
-                                 ReadOptions{verify}),
-                 CorruptCheckpointError);
+    EXPECT_THROW(
+        checkpoint.read(TensorTarget::box(w.name, w.dtype, {0, 0}, {6, 7}, reaching.data()), ReadOptions{verify}),
+        CorruptCheckpointError);
   }
 }
 
@@ -295,7 +287,8 @@ TEST(CkptCommit, SavingAnOlderStepKeepsItAndSetsNewerStepsAside) {
   SaveOptions options;
   options.fsync = false;
   auto view = TensorView::replicated("v", DType::int32, {3}, values.data());
-  for (std::uint64_t step = 1; step <= 3; ++step) save_checkpoint(dir.path(), step, std::span(&view, 1), {}, comm, options);
+  for (std::uint64_t step = 1; step <= 3; ++step)
+    save_checkpoint(dir.path(), step, std::span(&view, 1), {}, comm, options);
   options.keep_last = 1;
   values = {7, 7, 7};
   save_checkpoint(dir.path(), 2, std::span(&view, 1), {}, comm, options);
@@ -338,8 +331,7 @@ void corrupt_dataset_bytes(const fs::path& shard, const std::string& dataset_nam
   {
     h5::Lock lock(h5::library_mutex());
     h5::Handle file = h5::make_file(H5Fopen(shard.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "open");
-    h5::Handle dataset =
-        h5::make_dataset(H5Dopen2(file.get(), dataset_name.c_str(), H5P_DEFAULT), "open dataset");
+    h5::Handle dataset = h5::make_dataset(H5Dopen2(file.get(), dataset_name.c_str(), H5P_DEFAULT), "open dataset");
     offset = H5Dget_offset(dataset.get());
   }
   ASSERT_NE(offset, HADDR_UNDEF);
@@ -357,11 +349,10 @@ void corrupt_dataset_bytes(const fs::path& shard, const std::string& dataset_nam
 TEST(CkptSave, AlignmentPlacesLargeDatasetsOnStripeBoundaries) {
   TempDir dir;
   SingleProcessCommunicator comm;
-  const auto big = make_tensor(1, DType::float32, {300, 100});    // 120 kB: aligned
-  const auto small = make_tensor(2, DType::float32, {10});         // below the threshold
-  const std::vector<TensorView> views = {
-      TensorView::replicated("a/small", DType::float32, {10}, small.data()),
-      TensorView::replicated("a/big", DType::float32, {300, 100}, big.data())};
+  const auto big = make_tensor(1, DType::float32, {300, 100});  // 120 kB: aligned
+  const auto small = make_tensor(2, DType::float32, {10});      // below the threshold
+  const std::vector<TensorView> views = {TensorView::replicated("a/small", DType::float32, {10}, small.data()),
+                                         TensorView::replicated("a/big", DType::float32, {300, 100}, big.data())};
   SaveOptions options;
   options.alignment = 1 << 20;
   options.alignment_threshold = 64 * 1024;
@@ -441,9 +432,7 @@ TEST(CkptVerify, TruncatedAndMissingShardsFallBack) {
   expect_restore_with_world(dir.path(), model, 2, 1);
   // A step whose index is gone is skipped too.
   fs::remove(dir.path() / "step-000000001" / "index.h5");
-  run_ranks(1, [&](int, Communicator& comm) {
-    EXPECT_FALSE(restore_latest(dir.path(), {}, comm).has_value());
-  });
+  run_ranks(1, [&](int, Communicator& comm) { EXPECT_FALSE(restore_latest(dir.path(), {}, comm).has_value()); });
   EXPECT_THROW(Checkpoint(dir.path() / "step-000000001"), CorruptCheckpointError);
 }
 

@@ -33,11 +33,10 @@ StepData make_step(std::uint64_t step) {
   for (int i = 0; i < kSmallTensors; ++i) {
     data.tensors.push_back(make_tensor(step * 1000 + 1 + i, DType::int64, {33}));
   }
-  data.views.push_back(TensorView::replicated("big", DType::float32, kBigShape,
-                                              data.tensors[0].data()));
+  data.views.push_back(TensorView::replicated("big", DType::float32, kBigShape, data.tensors[0].data()));
   for (int i = 0; i < kSmallTensors; ++i) {
-    data.views.push_back(TensorView::replicated("small/" + std::to_string(i), DType::int64, {33},
-                                                data.tensors[1 + i].data()));
+    data.views.push_back(
+        TensorView::replicated("small/" + std::to_string(i), DType::int64, {33}, data.tensors[1 + i].data()));
   }
   return data;
 }
@@ -102,8 +101,8 @@ TEST(CkptCrash, SigkillDuringSaveNeverLosesPreviousCheckpoint) {
     SingleProcessCommunicator comm;
     save_checkpoint(dir.path(), 1, first.views, {{"step", 1}}, comm, crash_options());
   }
-  const auto one_save = std::chrono::duration_cast<std::chrono::microseconds>(
-      std::chrono::steady_clock::now() - started);
+  const auto one_save =
+      std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now() - started);
   std::uint64_t good = expect_loadable(dir.path(), 1);
   std::mt19937_64 random(std::random_device{}());
   std::uniform_int_distribution<std::int64_t> delay_us(0, 4 * one_save.count() + 1000);
@@ -127,8 +126,7 @@ TEST(CkptCrash, SigkillDuringSaveNeverLosesPreviousCheckpoint) {
   }
   // Not a timing assertion: records that the kills did land inside saves.
   RecordProperty("kills_leaving_partial_directories", kills_mid_save);
-  std::cout << "[ckpt crash] " << kills_mid_save << " of 30 kills interrupted a save; newest step "
-            << good << "\n";
+  std::cout << "[ckpt crash] " << kills_mid_save << " of 30 kills interrupted a save; newest step " << good << "\n";
 }
 
 }  // namespace

@@ -38,8 +38,7 @@ void flip_stored_byte(const fs::path& shard, const std::string& dataset_name) {
   {
     h5::Lock lock(h5::library_mutex());
     h5::Handle file = h5::make_file(H5Fopen(shard.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "open");
-    h5::Handle dataset =
-        h5::make_dataset(H5Dopen2(file.get(), dataset_name.c_str(), H5P_DEFAULT), "open dataset");
+    h5::Handle dataset = h5::make_dataset(H5Dopen2(file.get(), dataset_name.c_str(), H5P_DEFAULT), "open dataset");
     offset = H5Dget_offset(dataset.get());
   }
   ASSERT_NE(offset, HADDR_UNDEF);
@@ -65,8 +64,7 @@ void save_values(const fs::path& root, std::uint64_t step, std::vector<std::int3
   save_checkpoint(root, step, std::span(&view, 1), {}, comm, options);
 }
 
-std::optional<std::vector<std::int32_t>> restore_values(const fs::path& root,
-                                                        std::uint64_t* step = nullptr) {
+std::optional<std::vector<std::int32_t>> restore_values(const fs::path& root, std::uint64_t* step = nullptr) {
   SingleProcessCommunicator comm;
   std::vector<std::int32_t> out(3, -1);
   auto target = TensorTarget::whole("v", DType::int32, {3}, out.data());
@@ -173,8 +171,7 @@ void expect_step7_survives_crash_at(const std::string& point, bool disable_excha
   const auto values = restore_values(dir.path(), &step);
   ASSERT_TRUE(values.has_value()) << "step 7 lost after a crash at " << point;
   EXPECT_EQ(step, 7U);
-  EXPECT_TRUE(*values == (std::vector<std::int32_t>{1, 1, 1}) ||
-              *values == (std::vector<std::int32_t>{2, 2, 2}));
+  EXPECT_TRUE(*values == (std::vector<std::int32_t>{1, 1, 1}) || *values == (std::vector<std::int32_t>{2, 2, 2}));
   save_values(dir.path(), 8, {8, 8, 8});
   EXPECT_TRUE(fs::is_directory(dir.path() / "step-000000007")) << point;
 }
@@ -203,8 +200,8 @@ TEST(CkptGapsRestore, RejectedStepLeavesTargetsUntouched) {
       std::vector<TensorTarget> targets;
       buffers.reserve(names.size());
       for (const auto& name : names) {
-        const auto& t = *std::find_if(old_model.begin(), old_model.end(),
-                                      [&](const auto& m) { return m.name == name; });
+        const auto& t =
+            *std::find_if(old_model.begin(), old_model.end(), [&](const auto& m) { return m.name == name; });
         buffers.emplace_back(t.bytes.size(), std::byte{0xab});
         targets.push_back(TensorTarget::whole(t.name, t.dtype, t.shape, buffers.back().data()));
       }
@@ -213,16 +210,16 @@ TEST(CkptGapsRestore, RejectedStepLeavesTargetsUntouched) {
         // Only the damaged step was allowed: nothing restored, and nothing written.
         EXPECT_FALSE(restored.has_value());
         for (std::size_t i = 0; i < names.size(); ++i) {
-          EXPECT_TRUE(std::all_of(buffers[i].begin(), buffers[i].end(),
-                                  [](std::byte b) { return b == std::byte{0xab}; }))
+          EXPECT_TRUE(
+              std::all_of(buffers[i].begin(), buffers[i].end(), [](std::byte b) { return b == std::byte{0xab}; }))
               << names[i] << " was written although step 2 was rejected";
         }
       } else {
         ASSERT_TRUE(restored.has_value());
         EXPECT_EQ(restored->step, 1U);
         for (std::size_t i = 0; i < names.size(); ++i) {
-          const auto& t = *std::find_if(old_model.begin(), old_model.end(),
-                                        [&](const auto& m) { return m.name == names[i]; });
+          const auto& t =
+              *std::find_if(old_model.begin(), old_model.end(), [&](const auto& m) { return m.name == names[i]; });
           EXPECT_EQ(buffers[i], t.bytes) << names[i];
         }
       }
@@ -250,8 +247,8 @@ void rewrite_manifest(const fs::path& step_dir, const std::function<void(json&)>
   h5::Handle file = h5::make_file(H5Fopen(index.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "open index");
   std::string text;
   {
-    h5::Handle dataset = h5::make_dataset(
-        H5Dopen2(file.get(), std::string(detail::kManifestDataset).c_str(), H5P_DEFAULT), "open");
+    h5::Handle dataset =
+        h5::make_dataset(H5Dopen2(file.get(), std::string(detail::kManifestDataset).c_str(), H5P_DEFAULT), "open");
     h5::Handle type = h5::make_type(H5Dget_type(dataset.get()), "type");
     text.assign(H5Tget_size(type.get()), '\0');
     h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()), "read");
@@ -260,17 +257,14 @@ void rewrite_manifest(const fs::path& step_dir, const std::function<void(json&)>
   json manifest = json::parse(text);
   edit(manifest);
   text = manifest.dump();
-  h5::check(H5Ldelete(file.get(), std::string(detail::kManifestDataset).c_str(), H5P_DEFAULT),
-            "delete manifest");
+  h5::check(H5Ldelete(file.get(), std::string(detail::kManifestDataset).c_str(), H5P_DEFAULT), "delete manifest");
   h5::Handle type = h5::make_type(H5Tcopy(H5T_C_S1), "string type");
   h5::check(H5Tset_size(type.get(), text.size()), "size");
   h5::Handle space = h5::make_space(H5Screate(H5S_SCALAR), "space");
-  h5::Handle dataset = h5::make_dataset(
-      H5Dcreate2(file.get(), std::string(detail::kManifestDataset).c_str(), type.get(),
-                 space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-      "create manifest");
-  h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()),
-            "write manifest");
+  h5::Handle dataset = h5::make_dataset(H5Dcreate2(file.get(), std::string(detail::kManifestDataset).c_str(),
+                                                   type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                                        "create manifest");
+  h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()), "write manifest");
 }
 
 json& tensor_entry(json& manifest, const std::string& name) {
@@ -282,8 +276,8 @@ json& tensor_entry(json& manifest, const std::string& name) {
 
 struct BadManifest {
   std::string label;
-  std::string tensor;     // expected in the message ("" = none)
-  std::string fragment;   // expected in the message
+  std::string tensor;    // expected in the message ("" = none)
+  std::string fragment;  // expected in the message
   std::function<void(json&)> edit;
   bool fails_on_open = true;  // else: opens, fails on read
 };
@@ -292,13 +286,21 @@ TEST(CkptGapsManifest, CraftedBadIndexesGiveClearErrorsAndFallBack) {
   const std::uint64_t huge = 1ULL << 63;
   const std::vector<BadManifest> cases = {
       {"extent overflows", "model/w", "outside shape",
-       [&](json& m) { tensor_entry(m, "model/w")["shards"][1]["extent"] = {huge, huge}; }},
+       [&](json& m) {
+         tensor_entry(m, "model/w")["shards"][1]["extent"] = {huge, huge};
+       }},
       {"offset out of range", "model/w", "outside shape",
-       [](json& m) { tensor_entry(m, "model/w")["shards"][3]["offset"] = {8, 3}; }},
+       [](json& m) {
+         tensor_entry(m, "model/w")["shards"][3]["offset"] = {8, 3};
+       }},
       {"shape element count overflows", "model/emb", "too large",
-       [&](json& m) { tensor_entry(m, "model/emb")["shape"] = {huge, huge, 4}; }},
+       [&](json& m) {
+         tensor_entry(m, "model/emb")["shape"] = {huge, huge, 4};
+       }},
       {"negative extent", "model/col", "non-negative",
-       [](json& m) { tensor_entry(m, "model/col")["shards"][0]["extent"] = {3, -2}; }},
+       [](json& m) {
+         tensor_entry(m, "model/col")["shards"][0]["extent"] = {3, -2};
+       }},
       {"wrong number of dimensions", "model/col", "dimensions",
        [](json& m) { tensor_entry(m, "model/col")["shards"][0]["offset"] = {0}; }},
       {"rank outside the world", "model/w", "outside world size",
@@ -307,8 +309,7 @@ TEST(CkptGapsManifest, CraftedBadIndexesGiveClearErrorsAndFallBack) {
        [](json& m) { tensor_entry(m, "model/w")["shards"][0]["file"] = "../../etc/passwd"; }},
       {"unknown dtype", "opt/mask", "unknown dtype",
        [](json& m) { tensor_entry(m, "opt/mask")["dtype"] = "complex128"; }},
-      {"world size is a string", "", "world_size",
-       [](json& m) { m["world_size"] = "four"; }},
+      {"world size is a string", "", "world_size", [](json& m) { m["world_size"] = "four"; }},
       {"shards do not cover the tensor", "data/u8", "cover",
        [](json& m) { tensor_entry(m, "data/u8")["shards"].erase(0); }},
       {"dtype size disagrees with the dataset", "model/w", "bytes",
@@ -368,8 +369,7 @@ TEST(CkptGapsManifest, GarbageIndexFileIsCorruptNotACrash) {
 
 // ---- item 5: replicated tensors must be identical on every rank ------------------------------
 
-void expect_replica_mismatch(const Shape& shape, ReplicaCheck mode, std::size_t differing_byte,
-                             bool async) {
+void expect_replica_mismatch(const Shape& shape, ReplicaCheck mode, std::size_t differing_byte, bool async) {
   TempDir dir;
   const auto good = make_tensor(77, DType::uint8, shape);
   save_values(dir.path(), 1, {1, 2, 3});
@@ -442,8 +442,8 @@ TEST(CkptGapsChunks, LargePiecesRoundTripAndVerify) {
     const std::uint64_t rows = rank == 0 ? 2 : 3;
     static thread_local std::vector<std::byte> slice;
     slice = extract_box(data[2], specs[2].second, {begin, 0, 0}, {rows, 3, 400000}, 4);
-    views.push_back(TensorView::sharded("c", DType::float32, specs[2].second, {begin, 0, 0},
-                                        {rows, 3, 400000}, slice.data()));
+    views.push_back(
+        TensorView::sharded("c", DType::float32, specs[2].second, {begin, 0, 0}, {rows, 3, 400000}, slice.data()));
     save_checkpoint(dir.path(), 1, views, {}, comm, quick());
   });
   Checkpoint checkpoint(dir.path() / "step-000000001");

@@ -62,8 +62,8 @@ std::vector<TensorView> views_for_rank(const std::vector<GlobalTensor>& model, i
 }
 
 // Each rank restores its columns-split (dim -1) boxes and compares bit-exactly.
-void expect_restores(const fs::path& root, const std::vector<GlobalTensor>& model,
-                     Communicator& comm, std::uint64_t step) {
+void expect_restores(const fs::path& root, const std::vector<GlobalTensor>& model, Communicator& comm,
+                     std::uint64_t step) {
   std::vector<std::vector<std::byte>> buffers, expected;
   std::vector<TensorTarget> targets;
   buffers.reserve(model.size());
@@ -90,13 +90,11 @@ void expect_restores(const fs::path& root, const std::vector<GlobalTensor>& mode
 std::vector<std::byte> read_through_index(const fs::path& step_dir, const GlobalTensor& t) {
   std::vector<std::byte> out(t.bytes.size());
   h5::Lock lock(h5::library_mutex());
-  h5::Handle file = h5::make_file(
-      H5Fopen((step_dir / "index.h5").c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "open index");
+  h5::Handle file = h5::make_file(H5Fopen((step_dir / "index.h5").c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "open index");
   h5::Handle dataset = h5::make_dataset(H5Dopen2(file.get(), t.name.c_str(), H5P_DEFAULT), t.name);
   h5::Handle type = h5::storage_type(t.dtype);
   if (!out.empty()) {
-    h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()),
-              "read " + t.name);
+    h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()), "read " + t.name);
   }
   return out;
 }
@@ -189,8 +187,7 @@ TEST_F(CkptMpi, SharedFileRejectsDisagreementOnEveryRank) {
   auto view = TensorView::sharded("x", DType::float32, shape, {b}, {n}, values.data() + b);
   SaveOptions options;
   options.layout = Layout::shared_file;
-  EXPECT_THROW(save_checkpoint(dir.path(), 1, std::span(&view, 1), {}, comm, options),
-               CheckpointError);
+  EXPECT_THROW(save_checkpoint(dir.path(), 1, std::span(&view, 1), {}, comm, options), CheckpointError);
   EXPECT_TRUE(list_steps(dir.path()).empty());
 }
 
@@ -199,8 +196,7 @@ using testing::FaultHookGuard;
 // A failure on one rank at `point` of the collective shared-file write must make every rank
 // throw an error naming that rank (not block the others in the next collective call), and keep
 // the previous step.
-void expect_one_rank_failure_fails_all(MpiCommunicator& comm, const std::string& point,
-                                       int failing_rank, bool async) {
+void expect_one_rank_failure_fails_all(MpiCommunicator& comm, const std::string& point, int failing_rank, bool async) {
   SharedTempDir dir(comm);
   const auto model = testing::world4_model(61);
   std::vector<std::vector<std::byte>> slices;
@@ -228,8 +224,7 @@ void expect_one_rank_failure_fails_all(MpiCommunicator& comm, const std::string&
       message = e.what();
     }
   }
-  EXPECT_NE(message.find(fmt::format("rank {}", failing_rank)), std::string::npos)
-      << point << ": " << message;
+  EXPECT_NE(message.find(fmt::format("rank {}", failing_rank)), std::string::npos) << point << ": " << message;
   EXPECT_NE(message.find("injected failure at " + point), std::string::npos) << message;
   comm.barrier();
   const auto steps = list_steps(dir.path());
@@ -273,8 +268,7 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   if (rank != 0) {  // one rank's report is enough; failures still fail the exit code
     auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    std::unique_ptr<::testing::TestEventListener> quiet(
-        listeners.Release(listeners.default_result_printer()));
+    std::unique_ptr<::testing::TestEventListener> quiet(listeners.Release(listeners.default_result_printer()));
   }
   const int result = RUN_ALL_TESTS();
   int worst = 0;

@@ -41,8 +41,7 @@ SaveResult save_values(const fs::path& root, std::uint64_t step, std::vector<std
   return save_checkpoint(root, step, std::span(&view, 1), {}, comm, options);
 }
 
-std::optional<std::pair<std::uint64_t, std::vector<std::int32_t>>> restore_values(
-    const fs::path& root) {
+std::optional<std::pair<std::uint64_t, std::vector<std::int32_t>>> restore_values(const fs::path& root) {
   SingleProcessCommunicator comm;
   std::vector<std::int32_t> out(3, -1);
   auto target = TensorTarget::whole("v", DType::int32, {3}, out.data());
@@ -110,9 +109,7 @@ class BlockingRemoverHook {
   BlockingRemoverHook& operator=(const BlockingRemoverHook&) = delete;
 
   // True once the remover thread is inside a removal (a generous bound, only against hangs).
-  bool wait_until_entered() {
-    return entered_future_.wait_for(std::chrono::seconds(60)) == std::future_status::ready;
-  }
+  bool wait_until_entered() { return entered_future_.wait_for(std::chrono::seconds(60)) == std::future_status::ready; }
   void release() {
     std::call_once(released_once_, [&] { release_.set_value(); });
   }
@@ -287,8 +284,7 @@ TEST(CkptRemoverDeathTest, ExitFinishesQueuedRemovals) {
   // Named after the parent's pid, so the re-executed child (whose parent is this process)
   // finds the same directory.
   auto root_for = [](pid_t parent) {
-    return fs::temp_directory_path() /
-           ("elastrun-ckpt-remover-exit-" + std::to_string(static_cast<long>(parent)));
+    return fs::temp_directory_path() / ("elastrun-ckpt-remover-exit-" + std::to_string(static_cast<long>(parent)));
   };
   const fs::path root = root_for(::getpid());
   std::error_code ec;

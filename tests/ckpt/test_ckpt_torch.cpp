@@ -34,8 +34,7 @@ TEST(CkptTorch, SaveShardedAndReplicatedRestoreIntoExistingTensors) {
   const Model model;
   testing::run_ranks(2, [&](int rank, Communicator& comm) {
     SaveViews views;
-    views.add_sharded("model/weight", model.weight.narrow(0, 3 * rank, 3), {6, 4},
-                      {3ULL * rank, 0});
+    views.add_sharded("model/weight", model.weight.narrow(0, 3 * rank, 3), {6, 4}, {3ULL * rank, 0});
     views.add_replicated("model/bias", model.bias);
     views.add_replicated("model/transposed", model.transposed);
     views.add_replicated("model/mask", model.mask);
@@ -115,8 +114,7 @@ TEST(CkptTorch, C10dStoreCommunicatorDrivesSaveAndRestore) {
     const auto restored = restore_latest(dir.path(), targets.targets(), comm);
     ASSERT_TRUE(restored.has_value());
     EXPECT_EQ(restored->step, 2U);
-    EXPECT_TRUE(torch::equal(mine, weight.narrow(0, static_cast<int64_t>(begin),
-                                                 static_cast<int64_t>(rows))));
+    EXPECT_TRUE(torch::equal(mine, weight.narrow(0, static_cast<int64_t>(begin), static_cast<int64_t>(rows))));
     EXPECT_TRUE(torch::equal(b, bias));
   });
   // Every call cleans up after itself: no key survives.
@@ -177,8 +175,8 @@ TEST(CkptTorch, C10dStoreCommunicatorNeverReadsStaleKeys) {
 }
 
 TEST(CkptTorch, DTypeMapping) {
-  for (auto type : {torch::kHalf, torch::kBFloat16, torch::kFloat, torch::kDouble, torch::kChar,
-                    torch::kShort, torch::kInt, torch::kLong, torch::kByte, torch::kBool}) {
+  for (auto type : {torch::kHalf, torch::kBFloat16, torch::kFloat, torch::kDouble, torch::kChar, torch::kShort,
+                    torch::kInt, torch::kLong, torch::kByte, torch::kBool}) {
     EXPECT_EQ(to_scalar_type(to_dtype(type)), type);
     EXPECT_EQ(dtype_size(to_dtype(type)), c10::elementSize(type));
   }

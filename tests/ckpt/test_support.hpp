@@ -63,9 +63,8 @@ inline std::vector<std::byte> make_tensor(std::uint64_t seed, DType dtype, const
 }
 
 // Naive reference extraction of a box from a C-contiguous global array.
-inline std::vector<std::byte> extract_box(const std::vector<std::byte>& global, const Shape& shape,
-                                          const Shape& offset, const Shape& extent,
-                                          std::size_t element_size) {
+inline std::vector<std::byte> extract_box(const std::vector<std::byte>& global, const Shape& shape, const Shape& offset,
+                                          const Shape& extent, std::size_t element_size) {
   std::vector<std::byte> out(element_count(extent) * element_size);
   const std::size_t ndim = shape.size();
   const std::uint64_t count = element_count(extent);
@@ -161,7 +160,7 @@ inline std::pair<Shape, Shape> world4_slice(const GlobalTensor& t, int rank) {
 }
 
 inline void save_world4(const std::filesystem::path& root, std::uint64_t step, const std::vector<GlobalTensor>& model,
-                 const SaveOptions& options = {}) {
+                        const SaveOptions& options = {}) {
   run_ranks(4, [&](int rank, Communicator& comm) {
     std::vector<std::vector<std::byte>> slices;
     slices.reserve(model.size());
@@ -173,8 +172,7 @@ inline void save_world4(const std::filesystem::path& root, std::uint64_t step, c
       }
       auto [offset, extent] = world4_slice(t, rank);
       slices.push_back(extract_box(t.bytes, t.shape, offset, extent, dtype_size(t.dtype)));
-      views.push_back(
-          TensorView::sharded(t.name, t.dtype, t.shape, offset, extent, slices.back().data()));
+      views.push_back(TensorView::sharded(t.name, t.dtype, t.shape, offset, extent, slices.back().data()));
     }
     save_checkpoint(root, step, views, {{"step_meta", step}}, comm, options);
   });

@@ -13,7 +13,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
     decoder.feed(reinterpret_cast<const char*>(data), half);
     while (auto frame = decoder.next()) {
-      try { decode_request(*frame); } catch (const ProtocolError&) {}
+      try {
+        decode_request(*frame);
+      } catch (const ProtocolError&) {
+      }
     }
     decoder.feed(reinterpret_cast<const char*>(data) + half, size - half);
     while (auto frame = decoder.next()) {

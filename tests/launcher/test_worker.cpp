@@ -40,12 +40,29 @@ void sleep_seconds(double s) {
 
 int main(int argc, char** argv) {
   nlohmann::json j;
-  for (const char* key :
-       {"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-        "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-        "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "OMP_NUM_THREADS",
-        "ELASTRUN_GENERATION", "ELASTRUN_NODE", "ELASTRUN_CONTROL_FILE", "ELASTRUN_CHECKPOINT_DIR",
-        "ELASTRUN_CHECKPOINTED_EXIT_CODE", "SLURM_JOB_ID", "SLURM_RESTART_COUNT"})
+  for (const char* key : {"RANK",
+                          "LOCAL_RANK",
+                          "GROUP_RANK",
+                          "ROLE_RANK",
+                          "ROLE_NAME",
+                          "LOCAL_WORLD_SIZE",
+                          "WORLD_SIZE",
+                          "GROUP_WORLD_SIZE",
+                          "ROLE_WORLD_SIZE",
+                          "MASTER_ADDR",
+                          "MASTER_PORT",
+                          "TORCHELASTIC_RESTART_COUNT",
+                          "TORCHELASTIC_MAX_RESTARTS",
+                          "TORCHELASTIC_RUN_ID",
+                          "TORCHELASTIC_ERROR_FILE",
+                          "OMP_NUM_THREADS",
+                          "ELASTRUN_GENERATION",
+                          "ELASTRUN_NODE",
+                          "ELASTRUN_CONTROL_FILE",
+                          "ELASTRUN_CHECKPOINT_DIR",
+                          "ELASTRUN_CHECKPOINTED_EXIT_CODE",
+                          "SLURM_JOB_ID",
+                          "SLURM_RESTART_COUNT"})
     if (const char* v = std::getenv(key)) j[key] = v;
   j["pid"] = getpid();
   j["pgid"] = getpgrp();
@@ -81,8 +98,10 @@ int main(int argc, char** argv) {
     const std::string once = env("TEST_WORKER_FAIL_ONCE");
     if (!once.empty()) {
       int fd = ::open(once.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0644);
-      if (fd < 0) fail = false;  // already failed once
-      else ::close(fd);
+      if (fd < 0)
+        fail = false;  // already failed once
+      else
+        ::close(fd);
     }
     if (fail) {
       sleep_seconds(std::atof(env("TEST_WORKER_FAIL_AFTER", "0").c_str()));
@@ -91,8 +110,9 @@ int main(int argc, char** argv) {
       if (!message.empty() && !error_file.empty()) {
         nlohmann::json e = {{"message",
                              {{"message", message},
-                              {"extraInfo", {{"py_callstack", "Traceback (most recent call last):\n  File \"train.py\", line 1"},
-                                             {"timestamp", "1700000000"}}}}}};
+                              {"extraInfo",
+                               {{"py_callstack", "Traceback (most recent call last):\n  File \"train.py\", line 1"},
+                                {"timestamp", "1700000000"}}}}}};
         std::ofstream(error_file) << e.dump();
       }
       std::cerr << "rank " << env("RANK") << " failing on purpose" << std::endl;
@@ -110,13 +130,17 @@ int main(int argc, char** argv) {
     const std::string poll_world = env("TEST_WORKER_SLEEP_WORLD_SIZE");
     const double poll_seconds =
         poll_world.empty() || poll_world == env("WORLD_SIZE") ? std::atof(env("TEST_WORKER_SLEEP", "0").c_str()) : 0.0;
-    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(poll_seconds * 1000));
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(poll_seconds * 1000));
     while (std::chrono::steady_clock::now() < until) {
       const auto status = control::poll();
       if (status.stop()) {
-        nlohmann::json c = {{"rank", env("RANK")}, {"request", std::string(control::to_string(status.request))},
-                            {"sequence", status.sequence}, {"signal", control::signal_received()},
-                            {"checkpoint_dir", control::checkpoint_dir()}, {"restart_count", env("SLURM_RESTART_COUNT")}};
+        nlohmann::json c = {{"rank", env("RANK")},
+                            {"request", std::string(control::to_string(status.request))},
+                            {"sequence", status.sequence},
+                            {"signal", control::signal_received()},
+                            {"checkpoint_dir", control::checkpoint_dir()},
+                            {"restart_count", env("SLURM_RESTART_COUNT")}};
         if (!out_dir.empty()) std::ofstream(out_dir + "/checkpoint.rank" + env("RANK") + ".json") << c.dump() << "\n";
         std::cout << "checkpointed: " << c.dump() << std::endl;
         return control::kCheckpointedExitCode;

@@ -56,8 +56,8 @@ int main(int argc, char** argv) {
     BootstrapPlan plan;
     if (slurm) {
       auto env = detect_environment(current_environment(), expand_hostlist);
-      plan = plan_bootstrap(env, {.endpoint = endpoint, .run_id = "", .is_host = std::nullopt,
-                                  .nproc = nproc, .role = "default"});
+      plan = plan_bootstrap(
+          env, {.endpoint = endpoint, .run_id = "", .is_host = std::nullopt, .nproc = nproc, .role = "default"});
       if (!node.empty()) plan.me.node_name = node;
     } else {
       auto colon = endpoint.rfind(':');
@@ -100,7 +100,9 @@ int main(int argc, char** argv) {
     };
     auto kv = connect_store(plan, auth_config, Millis(join_timeout_ms));
     auto hb = connect_store(plan, auth_config, Millis(join_timeout_ms));
-    RendezvousConfig config{.run_id = plan.run_id, .min_nodes = min_nodes, .max_nodes = max_nodes,
+    RendezvousConfig config{.run_id = plan.run_id,
+                            .min_nodes = min_nodes,
+                            .max_nodes = max_nodes,
                             .join_timeout = Millis(join_timeout_ms),
                             .last_call_timeout = Millis(last_call_ms),
                             .heartbeat_timeout = Millis(hb_ms)};
@@ -109,9 +111,14 @@ int main(int argc, char** argv) {
       auto r = rdzv.next_round();
       nlohmann::json members = nlohmann::json::array();
       for (const auto& m : r.members()) members.push_back(m.node_name);
-      emit({{"event", "round"}, {"node", plan.me.node_name}, {"gen", r.generation},
-            {"group_rank", r.group_rank}, {"group_world_size", r.group_world_size},
-            {"world_size", r.world_size}, {"rank_offset", r.rank_offset}, {"members", members},
+      emit({{"event", "round"},
+            {"node", plan.me.node_name},
+            {"gen", r.generation},
+            {"group_rank", r.group_rank},
+            {"group_world_size", r.group_world_size},
+            {"world_size", r.world_size},
+            {"rank_offset", r.rank_offset},
+            {"members", members},
             {"master", fmt::format("{}:{}", r.master_addr, r.master_port)}});
       if (rounds != 0 && done + 1 == rounds) break;
       Change change = Change::None;

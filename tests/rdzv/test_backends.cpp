@@ -29,10 +29,10 @@ class EtcdServer : public testing::Environment {
     const auto client = free_port(), peer = free_port();
     endpoint = "127.0.0.1:" + std::to_string(client);
     const auto peer_url = "http://127.0.0.1:" + std::to_string(peer);
-    etcd_.start({"etcd", "--name", "test", "--data-dir", (etcd_.dir() / "data").string(),
-                 "--listen-client-urls", "http://" + endpoint, "--advertise-client-urls", "http://" + endpoint,
-                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                 "--initial-cluster", "test=" + peer_url, "--logger", "zap", "--log-outputs", "stderr"},
+    etcd_.start({"etcd", "--name", "test", "--data-dir", (etcd_.dir() / "data").string(), "--listen-client-urls",
+                 "http://" + endpoint, "--advertise-client-urls", "http://" + endpoint, "--listen-peer-urls", peer_url,
+                 "--initial-advertise-peer-urls", peer_url, "--initial-cluster", "test=" + peer_url, "--logger", "zap",
+                 "--log-outputs", "stderr"},
                 [] {
                   try {
                     EtcdKv probe(endpoint, 2s);
@@ -77,8 +77,12 @@ class Backend : public testing::TestWithParam<std::string> {
     me.address = "127.0.0.1";
     me.node_index = index;
     me.nproc = nproc;
-    RendezvousConfig cfg{.run_id = run_, .min_nodes = min, .max_nodes = max, .join_timeout = join_timeout,
-                         .last_call_timeout = last_call, .heartbeat_timeout = 2s};
+    RendezvousConfig cfg{.run_id = run_,
+                         .min_nodes = min,
+                         .max_nodes = max,
+                         .join_timeout = join_timeout,
+                         .last_call_timeout = last_call,
+                         .heartbeat_timeout = 2s};
     return std::make_unique<Rendezvous>(client(), client(), cfg, me);
   }
 

@@ -19,22 +19,18 @@ TEST_P(HostlistExpand, ExpandsLikeSlurm) {
   EXPECT_EQ(*hosts, GetParam().expected);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Table, HostlistExpand,
-    testing::Values(
-        HostlistCase{"n1", {"n1"}},
-        HostlistCase{"n[1-4]", {"n1", "n2", "n3", "n4"}},
-        HostlistCase{"gpu[01-03]", {"gpu01", "gpu02", "gpu03"}},
-        HostlistCase{"gpu[08-11]", {"gpu08", "gpu09", "gpu10", "gpu11"}},
-        HostlistCase{"node[001-002,010]", {"node001", "node002", "node010"}},
-        HostlistCase{"a[1-2]b[3-4]", {"a1b3", "a1b4", "a2b3", "a2b4"}},
-        HostlistCase{"n[1-2],login1,gpu[7-8]", {"n1", "n2", "login1", "gpu7", "gpu8"}},
-        HostlistCase{"c1-ib,c2-ib", {"c1-ib", "c2-ib"}},
-        HostlistCase{"rack1-n[3-4]", {"rack1-n3", "rack1-n4"}}));
+INSTANTIATE_TEST_SUITE_P(Table, HostlistExpand,
+                         testing::Values(HostlistCase{"n1", {"n1"}}, HostlistCase{"n[1-4]", {"n1", "n2", "n3", "n4"}},
+                                         HostlistCase{"gpu[01-03]", {"gpu01", "gpu02", "gpu03"}},
+                                         HostlistCase{"gpu[08-11]", {"gpu08", "gpu09", "gpu10", "gpu11"}},
+                                         HostlistCase{"node[001-002,010]", {"node001", "node002", "node010"}},
+                                         HostlistCase{"a[1-2]b[3-4]", {"a1b3", "a1b4", "a2b3", "a2b4"}},
+                                         HostlistCase{"n[1-2],login1,gpu[7-8]", {"n1", "n2", "login1", "gpu7", "gpu8"}},
+                                         HostlistCase{"c1-ib,c2-ib", {"c1-ib", "c2-ib"}},
+                                         HostlistCase{"rack1-n[3-4]", {"rack1-n3", "rack1-n4"}}));
 
 TEST(Hostlist, RejectsMalformedExpressions) {
-  for (const char* bad : {"", "   ", "n[1-", "n[4-1]", "n[a-b]", "n]1[", "n[[1]", "n[1-2]]", "n[]",
-                          "n[1,,2]", "n[-2]"})
+  for (const char* bad : {"", "   ", "n[1-", "n[4-1]", "n[a-b]", "n]1[", "n[[1]", "n[1-2]]", "n[]", "n[1,,2]", "n[-2]"})
     EXPECT_FALSE(expand_hostlist(bad).has_value()) << "'" << bad << "' was accepted";
 }
 

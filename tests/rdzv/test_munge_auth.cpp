@@ -29,8 +29,7 @@ class Munged : public testing::Environment {
     if (elastrun::testing_support::run_command({"mungekey", "--create", "--keyfile=" + key}) != 0)
       Daemon::die("mungekey could not create " + key + " (install munge)");
     munged_.start({"munged", "--foreground", "--force", "--socket=" + socket, "--key-file=" + key,
-                   "--pid-file=" + (munged_.dir() / "pid").string(),
-                   "--log-file=" + (munged_.dir() / "log").string(),
+                   "--pid-file=" + (munged_.dir() / "pid").string(), "--log-file=" + (munged_.dir() / "log").string(),
                    "--seed-file=" + (munged_.dir() / "seed").string()},
                   [] {
                     try {

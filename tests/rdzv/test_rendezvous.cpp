@@ -40,8 +40,12 @@ struct Cluster {
     me.address = "127.0.0.1";
     me.node_index = index;
     me.nproc = nproc;
-    RendezvousConfig cfg{.run_id = "rt", .min_nodes = min, .max_nodes = max, .join_timeout = join_timeout,
-                         .last_call_timeout = last_call, .heartbeat_timeout = 2s};
+    RendezvousConfig cfg{.run_id = "rt",
+                         .min_nodes = min,
+                         .max_nodes = max,
+                         .join_timeout = join_timeout,
+                         .last_call_timeout = last_call,
+                         .heartbeat_timeout = 2s};
     return std::make_unique<Rendezvous>(client(), client(), cfg, me);
   }
 };
@@ -225,11 +229,16 @@ class Member {
   std::string buffer_;
 };
 
-std::vector<std::string> member_args(const std::string& endpoint, const std::string& node, int index,
-                                     int min, int max, bool serve = false) {
-  std::vector<std::string> a{"--endpoint", endpoint, "--node", node, "--index", std::to_string(index),
-                             "--min", std::to_string(min), "--max", std::to_string(max),
-                             "--hb-ms", "600", "--last-call-ms", "300", "--run-id", "proc"};
+std::vector<std::string> member_args(const std::string& endpoint, const std::string& node, int index, int min, int max,
+                                     bool serve = false) {
+  std::vector<std::string> a{"--endpoint",     endpoint,
+                             "--node",         node,
+                             "--index",        std::to_string(index),
+                             "--min",          std::to_string(min),
+                             "--max",          std::to_string(max),
+                             "--hb-ms",        "600",
+                             "--last-call-ms", "300",
+                             "--run-id",       "proc"};
   if (serve) a.push_back("--serve");
   return a;
 }

@@ -10,7 +10,7 @@ using namespace elastrun::spank;
 
 TEST(TorchEnvOption, BareFlagAndBooleans) {
   EXPECT_TRUE(parse_torch_env(nullptr));
-  EXPECT_TRUE(parse_torch_env(""));  // environment form with an empty value
+  EXPECT_TRUE(parse_torch_env(""));        // environment form with an empty value
   EXPECT_TRUE(parse_torch_env("(null)"));  // sbatch/salloc forward the bare flag like this
   for (const char* yes : {"yes", "YES", "1", "true", "on"}) EXPECT_TRUE(parse_torch_env(yes)) << yes;
   for (const char* no : {"no", "0", "false", "Off"}) EXPECT_FALSE(parse_torch_env(no)) << no;
@@ -37,15 +37,13 @@ TEST(ElasticOption, Ranges) {
 }
 
 TEST(ElasticOption, Invalid) {
-  for (const char* bad : {"x", "5:", ":5", "0:2", "2:0", "-1:2", "2:4:6", "1.5", " 2:4", "2:4x",
-                          "99999999999:1"})
+  for (const char* bad : {"x", "5:", ":5", "0:2", "2:0", "-1:2", "2:4:6", "1.5", " 2:4", "2:4x", "99999999999:1"})
     EXPECT_THROW(parse_elastic(bad), OptionError) << bad;
   try {
     parse_elastic("5:2");
     FAIL() << "accepted";
   } catch (const OptionError& e) {
-    EXPECT_NE(std::string(e.what()).find("MIN (5) is greater than MAX (2)"), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("MIN (5) is greater than MAX (2)"), std::string::npos) << e.what();
   }
 }
 
@@ -53,18 +51,20 @@ TEST(ElasticNprocOption, Values) {
   EXPECT_EQ(parse_elastic_nproc("1"), 1);
   EXPECT_EQ(parse_elastic_nproc("8"), 8);
   EXPECT_EQ(parse_elastic_nproc("1024"), 1024);
-  for (const char* bad : {"0", "-1", "x", "", "1025", "4 "})
-    EXPECT_THROW(parse_elastic_nproc(bad), OptionError) << bad;
+  for (const char* bad : {"0", "-1", "x", "", "1025", "4 "}) EXPECT_THROW(parse_elastic_nproc(bad), OptionError) << bad;
   EXPECT_THROW(parse_elastic_nproc(nullptr), OptionError);
 }
 
 TEST(ElasticAgent, FlagsNameTheStoreAndTheStateDir) {
-  AgentPlan plan{.range = {2, 3}, .nproc = 4, .store_host = "10.0.0.5", .store_port = 41234,
-                 .run_id = "17.0.r0", .log_dir = "/tmp/elastrun-spank.17.0.n1"};
+  AgentPlan plan{.range = {2, 3},
+                 .nproc = 4,
+                 .store_host = "10.0.0.5",
+                 .store_port = 41234,
+                 .run_id = "17.0.r0",
+                 .log_dir = "/tmp/elastrun-spank.17.0.n1"};
   const std::vector<std::string> expected = {
-      "--nnodes=2:3", "--nproc-per-node=4", "--rdzv-backend=c10d",
-      "--rdzv-endpoint=10.0.0.5:41234", "--rdzv-id=17.0.r0", "--rdzv-conf=is_host=0",
-      "--rdzv-auth=token", "--log-dir=/tmp/elastrun-spank.17.0.n1"};
+      "--nnodes=2:3",      "--nproc-per-node=4",    "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.5:41234",
+      "--rdzv-id=17.0.r0", "--rdzv-conf=is_host=0", "--rdzv-auth=token",   "--log-dir=/tmp/elastrun-spank.17.0.n1"};
   EXPECT_EQ(agent_flags(plan), expected);
   plan.range = {3, 3};
   plan.nproc = 0;
@@ -92,10 +92,8 @@ TEST(ElasticAgent, Names) {
 
 TEST(OptionEnvName, AsSrunReadsIt) {
   // Verified on Slurm 22.05: srun reads SLURM_SPANK__SLURM_SPANK_OPTION_<plugin>_<option>.
-  EXPECT_EQ(option_env_name("elastrun", "torch-env"),
-            "SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_torch_env");
-  EXPECT_EQ(option_env_name("elastrun", "elastic-nproc"),
-            "SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_elastic_nproc");
+  EXPECT_EQ(option_env_name("elastrun", "torch-env"), "SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_torch_env");
+  EXPECT_EQ(option_env_name("elastrun", "elastic-nproc"), "SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_elastic_nproc");
 }
 
 TEST(SiteArgs, DefaultsAndKeys) {
@@ -130,8 +128,7 @@ TEST(SiteArgs, UnknownKeyIsNamed) {
 }
 
 TEST(SiteArgs, BadValuesAndShapes) {
-  for (auto bad : {"torch_env=maybe", "master_addr=dns", "run_id=task", "torch_env", "=yes",
-                   "run_id="})
+  for (auto bad : {"torch_env=maybe", "master_addr=dns", "run_id=task", "torch_env", "=yes", "run_id="})
     EXPECT_THROW(parse_site_args({bad}), OptionError) << bad;
   try {
     parse_site_args({"master_addr=dns"});

@@ -23,9 +23,12 @@ std::optional<std::vector<std::string>> fake_expand(std::string_view text) {
 }
 
 EnvMap step_task(int procid, int nodeid, int localid) {
-  return {{"SLURM_JOB_ID", "11"},          {"SLURM_STEP_ID", "0"},
-          {"SLURM_JOB_NODELIST", "n[1-2]"}, {"SLURM_STEP_NODELIST", "n[1-2]"},
-          {"SLURM_STEP_NUM_NODES", "2"},    {"SLURM_STEP_NUM_TASKS", "4"},
+  return {{"SLURM_JOB_ID", "11"},
+          {"SLURM_STEP_ID", "0"},
+          {"SLURM_JOB_NODELIST", "n[1-2]"},
+          {"SLURM_STEP_NODELIST", "n[1-2]"},
+          {"SLURM_STEP_NUM_NODES", "2"},
+          {"SLURM_STEP_NUM_TASKS", "4"},
           {"SLURM_STEP_TASKS_PER_NODE", "2(x2)"},
           {"SLURM_PROCID", std::to_string(procid)},
           {"SLURM_NODEID", std::to_string(nodeid)},
@@ -33,9 +36,7 @@ EnvMap step_task(int procid, int nodeid, int localid) {
           {"SLURMD_NODENAME", nodeid == 0 ? "n1" : "n2"}};
 }
 
-std::map<std::string, std::string> as_map(const EnvVars& vars) {
-  return {vars.begin(), vars.end()};
-}
+std::map<std::string, std::string> as_map(const EnvVars& vars) { return {vars.begin(), vars.end()}; }
 
 }  // namespace
 
@@ -124,8 +125,7 @@ TEST(TorchEnvironment, HeterogeneousStepHasGlobalRanks) {
 }
 
 TEST(TorchEnvironment, NotAStep) {
-  EnvMap batch = {{"SLURM_JOB_ID", "11"}, {"SLURM_JOB_NODELIST", "n[1-2]"},
-                  {"SLURM_NODEID", "0"}};
+  EnvMap batch = {{"SLURM_JOB_ID", "11"}, {"SLURM_JOB_NODELIST", "n[1-2]"}, {"SLURM_NODEID", "0"}};
   EXPECT_THROW(detect_step(batch, fake_expand), OptionError);
   EXPECT_THROW(detect_step({}, fake_expand), OptionError);
   auto bad = step_task(0, 0, 0);

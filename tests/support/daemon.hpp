@@ -75,8 +75,8 @@ class Daemon {
       if (ready()) return;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    die(args[0] + " did not become ready within " + std::to_string(patience.count()) + " ms (log " +
-        log_.string() + ")");
+    die(args[0] + " did not become ready within " + std::to_string(patience.count()) + " ms (log " + log_.string() +
+        ")");
   }
 
   [[noreturn]] static void die(const std::string& why) {

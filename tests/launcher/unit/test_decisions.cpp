@@ -22,9 +22,12 @@ FailedAction run_failed(Change settle, std::int64_t claims_after, std::int64_t r
   for (int i = 0; i < 10; ++i) {
     const auto action = next_failed_action(seen);
     if (steps) steps->push_back(action);
-    if (action == FailedAction::ClaimRestart) seen.claims = claims_after;
-    else if (action == FailedAction::CountRestart) seen.restarts = restarts_after;
-    else return action;
+    if (action == FailedAction::ClaimRestart)
+      seen.claims = claims_after;
+    else if (action == FailedAction::CountRestart)
+      seen.restarts = restarts_after;
+    else
+      return action;
   }
   ADD_FAILURE() << "no final action";
   return FailedAction::GiveUp;
@@ -43,8 +46,8 @@ TEST(FailedDecision, ClosedMeansExit) { EXPECT_EQ(run_failed(Change::Closed, 1, 
 TEST(FailedDecision, FirstClaimerCountsAndRestartsWithinBudget) {
   std::vector<FailedAction> steps;
   EXPECT_EQ(run_failed(Change::None, 1, 2, 2, &steps), FailedAction::Restart);
-  EXPECT_EQ(steps, (std::vector<FailedAction>{FailedAction::ClaimRestart, FailedAction::CountRestart,
-                                              FailedAction::Restart}));
+  EXPECT_EQ(steps,
+            (std::vector<FailedAction>{FailedAction::ClaimRestart, FailedAction::CountRestart, FailedAction::Restart}));
   EXPECT_EQ(run_failed(Change::MemberWaiting, 1, 1, 1), FailedAction::Restart);
 }
 

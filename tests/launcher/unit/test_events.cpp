@@ -89,7 +89,8 @@ TEST(EventsAgent, RestartIsInTheLog) {
   ASSERT_EQ(run(cmd), 0) << std::ifstream(dir.path() / "err").rdbuf();
   const auto log = read_events(events);
   auto count = [&](const std::string& event, auto&& pred) {
-    return std::count_if(log.begin(), log.end(), [&](const nlohmann::json& j) { return j["event"] == event && pred(j); });
+    return std::count_if(log.begin(), log.end(),
+                         [&](const nlohmann::json& j) { return j["event"] == event && pred(j); });
   };
   const auto any = [](const nlohmann::json&) { return true; };
   EXPECT_EQ(count("round", [](const nlohmann::json& j) { return j["world_size"] == 2; }), 2) << "two rounds of world 2";
@@ -103,20 +104,22 @@ TEST(EventsAgent, RestartIsInTheLog) {
     EXPECT_TRUE(j.contains("time") && j.contains("node") && j.contains("run_id")) << j.dump();
   }
   // time never goes backwards in one agent's log
-  for (std::size_t i = 1; i < log.size(); ++i) EXPECT_GE(log[i]["time"].get<double>(), log[i - 1]["time"].get<double>());
+  for (std::size_t i = 1; i < log.size(); ++i)
+    EXPECT_GE(log[i]["time"].get<double>(), log[i - 1]["time"].get<double>());
 }
 
 TEST(EventsAgent, WorkersGetTheFileAndAnUnwritableOneIsAUsageError) {
   TempDir dir;
   const auto events = dir.path() / "events.jsonl";
-  const auto ok = fmt::format("{} --standalone --events {} /bin/sh -c 'echo \"$ELASTRUN_EVENTS_FILE\" > {}/seen' >/dev/null 2>&1",
-                              ELASTRUN_BIN, events.string(), dir.path().string());
+  const auto ok =
+      fmt::format("{} --standalone --events {} /bin/sh -c 'echo \"$ELASTRUN_EVENTS_FILE\" > {}/seen' >/dev/null 2>&1",
+                  ELASTRUN_BIN, events.string(), dir.path().string());
   ASSERT_EQ(run(ok), 0);
   std::string seen;
   std::getline(std::ifstream(dir.path() / "seen"), seen);
   EXPECT_EQ(seen, events.string());
-  const auto bad = fmt::format("{} --standalone --events /proc/nope/e.jsonl /bin/true 2>{}/err", ELASTRUN_BIN,
-                               dir.path().string());
+  const auto bad =
+      fmt::format("{} --standalone --events /proc/nope/e.jsonl /bin/true 2>{}/err", ELASTRUN_BIN, dir.path().string());
   EXPECT_EQ(run(bad), 2);
   std::string err;
   std::getline(std::ifstream(dir.path() / "err"), err);
@@ -184,13 +187,14 @@ TEST(EventsAgent, MemberLostSaysHowItWasDetected) {
   reaper.pids.clear();
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << std::ifstream(dir.path() / "0.err").rdbuf();
   const auto log = read_events(dir.path() / "events-0.jsonl");
-  const auto lost = std::find_if(log.begin(), log.end(), [](const nlohmann::json& j) { return j["event"] == "member_lost"; });
+  const auto lost =
+      std::find_if(log.begin(), log.end(), [](const nlohmann::json& j) { return j["event"] == "member_lost"; });
   ASSERT_NE(lost, log.end());
   EXPECT_EQ((*lost)["how"], "holder disconnected") << lost->dump();
   EXPECT_TRUE((*lost)["since_heartbeat_ms"].is_number_integer()) << lost->dump();
-  EXPECT_TRUE(std::any_of(log.begin(), log.end(),
-                          [](const nlohmann::json& j) { return j["event"] == "round" && j["world_size"] == 2; }))
-      << "the survivor re-formed alone";
+  EXPECT_TRUE(std::any_of(log.begin(), log.end(), [](const nlohmann::json& j) {
+    return j["event"] == "round" && j["world_size"] == 2;
+  })) << "the survivor re-formed alone";
 }
 
 }  // namespace

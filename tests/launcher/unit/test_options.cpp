@@ -103,8 +103,9 @@ TEST(Options, PetVariablesAreDefaultsThatFlagsOverride) {
 }
 
 TEST(Options, RdzvConf) {
-  auto o = parse({"--rdzv-conf", "join_timeout=1.5,last_call_timeout=2,heartbeat_timeout=0.5,is_host=True,"
-                                 "read_timeout=60,store_type=x",
+  auto o = parse({"--rdzv-conf",
+                  "join_timeout=1.5,last_call_timeout=2,heartbeat_timeout=0.5,is_host=True,"
+                  "read_timeout=60,store_type=x",
                   "p"});
   EXPECT_EQ(o.join_timeout, Millis(1500));
   EXPECT_EQ(o.last_call_timeout, Millis(2000));
@@ -180,7 +181,8 @@ TEST(Options, StreamSpecs) {
 
 TEST(Options, RequeueBudgetKeepsUnnamedClasses) {
   const std::array<std::int64_t, kFailureClasses> defaults{0, 3, kUnlimited, kUnlimited};
-  EXPECT_EQ(parse_requeue_budget("node:0", defaults), (std::array<std::int64_t, kFailureClasses>{0, 0, kUnlimited, kUnlimited}));
+  EXPECT_EQ(parse_requeue_budget("node:0", defaults),
+            (std::array<std::int64_t, kFailureClasses>{0, 0, kUnlimited, kUnlimited}));
   EXPECT_EQ(parse_requeue_budget("preempt:2,app:inf", defaults),
             (std::array<std::int64_t, kFailureClasses>{kUnlimited, 3, kUnlimited, 2}));
 }

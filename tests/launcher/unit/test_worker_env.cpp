@@ -44,13 +44,21 @@ rdzv::RoundResult second_node_of_three() {
 }
 
 AttemptContext attempt_in(const AgentOptions& o, const rdzv::RoundResult& round, const fs::path& dir) {
-  return {.options = o, .round = round, .run_id = "", .node_name = "", .control_file = "", .events_file = "", .restart_count = 0,
-          .attempt_dir = dir, .program_path = "", .argv = {}};
+  return {.options = o,
+          .round = round,
+          .run_id = "",
+          .node_name = "",
+          .control_file = "",
+          .events_file = "",
+          .restart_count = 0,
+          .attempt_dir = dir,
+          .program_path = "",
+          .argv = {}};
 }
 
 TEST(WorkerEnv, InheritedEnvironmentDropsOursOnly) {
-  std::vector<std::string> entries = {"PATH=/bin", "RANK=7", "MASTER_PORT=1", "HOME=/h", "ELASTRUN_NODE=x",
-                                      "RANKING=kept"};
+  std::vector<std::string> entries = {"PATH=/bin", "RANK=7",          "MASTER_PORT=1",
+                                      "HOME=/h",   "ELASTRUN_NODE=x", "RANKING=kept"};
   std::vector<char*> raw;
   for (auto& e : entries) raw.push_back(e.data());
   raw.push_back(nullptr);
@@ -65,9 +73,16 @@ TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
   o.role = "trainer";
   o.checkpoint_dir = "/ckpt";
   const auto round = second_node_of_three();
-  const AttemptContext a{.options = o, .round = round, .run_id = "12.r0", .node_name = "n2",
-                         .control_file = "/c/control", .events_file = "/l/events-n2.jsonl", .restart_count = 1, .attempt_dir = dir.path() / "attempt_0",
-                         .program_path = "/bin/true", .argv = {"true", "x"}};
+  const AttemptContext a{.options = o,
+                         .round = round,
+                         .run_id = "12.r0",
+                         .node_name = "n2",
+                         .control_file = "/c/control",
+                         .events_file = "/l/events-n2.jsonl",
+                         .restart_count = 1,
+                         .attempt_dir = dir.path() / "attempt_0",
+                         .program_path = "/bin/true",
+                         .argv = {"true", "x"}};
   const auto specs = worker_specs(a, {"PATH=/bin", "RANKING=kept"});
   ASSERT_EQ(specs.size(), 2u);
   for (int local = 0; local < 2; ++local) {
@@ -252,7 +267,8 @@ TEST(Failures, SummaryNamesTheEarliestAsRootCause) {
     return l.find("(not written; decorate main with torch.distributed.elastic.multiprocessing.errors.record)") !=
            std::string::npos;
   }));
-  EXPECT_FALSE(std::any_of(one.begin(), one.end(), [](const std::string& l) { return l.starts_with("other failures"); }));
+  EXPECT_FALSE(
+      std::any_of(one.begin(), one.end(), [](const std::string& l) { return l.starts_with("other failures"); }));
 }
 
 }  // namespace

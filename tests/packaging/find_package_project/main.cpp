@@ -32,9 +32,8 @@ int main(int argc, char** argv) {
 
   std::vector<float> w2(weights.size(), -1.0f);
   std::vector<std::int64_t> c2 = {0};
-  const std::vector<TensorTarget> targets = {
-      TensorTarget::whole("model/w", DType::float32, {64, 16}, w2.data()),
-      TensorTarget::whole("optim/step", DType::int64, {1}, c2.data())};
+  const std::vector<TensorTarget> targets = {TensorTarget::whole("model/w", DType::float32, {64, 16}, w2.data()),
+                                             TensorTarget::whole("optim/step", DType::int64, {1}, c2.data())};
   const auto restored = restore_latest(root, targets, comm);
   if (!restored || restored->step != 20 || restored->metadata.value("epoch", 0) != 3) {
     std::fprintf(stderr, "restore_latest did not return step 20 with its metadata\n");
@@ -56,7 +55,6 @@ int main(int argc, char** argv) {
   // elastrun::control: the header-only channel compiles and links here too.
   static_assert(elastrun::control::kCheckpointedExitCode == 85);
   if (elastrun::control::poll().stop()) return elastrun::control::kCheckpointedExitCode;
-  std::printf("ok: step %llu in %s\n", static_cast<unsigned long long>(restored->step),
-              restored->path.c_str());
+  std::printf("ok: step %llu in %s\n", static_cast<unsigned long long>(restored->step), restored->path.c_str());
   return 0;
 }

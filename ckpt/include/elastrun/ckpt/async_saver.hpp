@@ -46,20 +46,19 @@ class AsyncSaver {
     std::uint64_t step = 0;
     // Into staging_ (copy snapshot) or, until the writer thread forked, the caller's tensors.
     std::vector<TensorView> views;
-    bool staged = false;  // views point into staging_ (this rank's pieces only)
-    bool fork_requested = false;  // save() waits until the writer thread forked (fork_done_)
+    bool staged = false;                      // views point into staging_ (this rank's pieces only)
+    bool fork_requested = false;              // save() waits until the writer thread forked (fork_done_)
     std::shared_ptr<SnapshotProcess> writer;  // set once forked
     nlohmann::json metadata;
     std::map<std::string, std::uint64_t> fingerprints;  // replicated tensors, whole-tensor
-    std::optional<std::string> error;  // this rank's snapshot failed: vote no in every round
+    std::optional<std::string> error;                   // this rank's snapshot failed: vote no in every round
   };
   // Grows (never shrinks) the staging arena to at least `bytes`; throws std::bad_alloc.
   std::byte* staging_arena(std::size_t bytes);
   // Copy snapshot: job.views (the caller's tensors) -> this rank's pieces in the staging arena;
   // after_copy sees each original view once its piece is copied. On failure (e.g. out of
   // memory) sets job.error instead of throwing.
-  void stage_copy(Job& job, int rank, int world,
-                  const std::function<void(const TensorView&)>& after_copy = {});
+  void stage_copy(Job& job, int rank, int world, const std::function<void(const TensorView&)>& after_copy = {});
   // Writer thread, while save() waits: fork the shard writer, or copy if fork is impossible.
   void take_fork_snapshot(Job& job);
   void run(std::stop_token stop);
@@ -69,7 +68,7 @@ class AsyncSaver {
   Communicator& comm_;
   SaveOptions options_;
   std::unique_ptr<std::byte[], detail::Unmap> staging_;  // anonymous mapping, staging_.get_deleter().length bytes
-  std::vector<std::byte> gather_scratch_;  // replicated pieces not contiguous in the source
+  std::vector<std::byte> gather_scratch_;                // replicated pieces not contiguous in the source
   mutable std::mutex mutex_;
   std::condition_variable_any changed_;
   std::optional<Job> pending_;

@@ -72,7 +72,7 @@ struct SaveOptions {
 };
 
 struct SaveResult {
-  std::filesystem::path path;  // committed step directory
+  std::filesystem::path path;       // committed step directory
   std::uint64_t bytes_written = 0;  // this rank's tensor bytes
   // AsyncSaver: memory the snapshot held beyond the caller's: the staging arena (copy), or the
   // forked writer's peak private memory — its copy plus old copies of pages training wrote
@@ -88,12 +88,11 @@ struct SaveResult {
 // points <root>/latest at it. Throws CheckpointError on every rank if any rank failed; the
 // previous checkpoint is untouched in that case. Re-saving an existing step swaps the new
 // directory in atomically (renameat2 RENAME_EXCHANGE), so a good copy of the step always exists.
-SaveResult save_checkpoint(const std::filesystem::path& root, std::uint64_t step,
-                           std::span<const TensorView> tensors, const nlohmann::json& metadata,
-                           Communicator& comm, const SaveOptions& options = {});
+SaveResult save_checkpoint(const std::filesystem::path& root, std::uint64_t step, std::span<const TensorView> tensors,
+                           const nlohmann::json& metadata, Communicator& comm, const SaveOptions& options = {});
 
 struct ShardInfo {
-  std::string file;   // relative to the step directory
+  std::string file;  // relative to the step directory
   int rank = 0;
   Shape offset;
   Shape extent;
@@ -181,8 +180,7 @@ struct RestoreResult {
 // Every rank first checks (and, with verify, hashes) everything it will read; the targets are
 // written only once all ranks agreed on a step, so a rejected step leaves them untouched.
 // Returns nullopt if there is no loadable checkpoint.
-std::optional<RestoreResult> restore_latest(const std::filesystem::path& root,
-                                            std::span<const TensorTarget> targets,
+std::optional<RestoreResult> restore_latest(const std::filesystem::path& root, std::span<const TensorTarget> targets,
                                             Communicator& comm, const RestoreOptions& options = {});
 
 // Rank-0 housekeeping (save_checkpoint calls it after committing `committed`): sets steps

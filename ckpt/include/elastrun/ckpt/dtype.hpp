@@ -16,7 +16,7 @@ enum class DType : std::uint8_t {
   int32,
   int64,
   uint8,
-  boolean,   // stored as the h5py-compatible enum {FALSE=0, TRUE=1} over int8
+  boolean,  // stored as the h5py-compatible enum {FALSE=0, TRUE=1} over int8
 };
 
 // Bytes per element.

@@ -22,17 +22,17 @@ enum class Placement : std::uint8_t {
 // A tensor (or this rank's slice of it) to be saved. The bytes are C-contiguous and must stay
 // valid and unchanged until save() returns (AsyncSaver copies them, so only until it returns).
 struct TensorView {
-  std::string name;          // "model/layer1.weight": '/' separates HDF5 groups
+  std::string name;  // "model/layer1.weight": '/' separates HDF5 groups
   DType dtype = DType::float32;
   Shape global_shape;
-  Shape slice_offset;        // sharded: where this rank's slice starts; replicated: zeros
-  Shape slice_extent;        // sharded: this rank's slice shape; replicated: == global_shape
+  Shape slice_offset;  // sharded: where this rank's slice starts; replicated: zeros
+  Shape slice_extent;  // sharded: this rank's slice shape; replicated: == global_shape
   const std::byte* data = nullptr;
   Placement placement = Placement::replicated;
 
   static TensorView replicated(std::string name, DType dtype, Shape shape, const void* data);
-  static TensorView sharded(std::string name, DType dtype, Shape global_shape, Shape offset,
-                            Shape extent, const void* data);
+  static TensorView sharded(std::string name, DType dtype, Shape global_shape, Shape offset, Shape extent,
+                            const void* data);
   std::uint64_t slice_bytes() const { return element_count(slice_extent) * dtype_size(dtype); }
 };
 

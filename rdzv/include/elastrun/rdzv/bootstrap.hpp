@@ -21,7 +21,7 @@ struct BootstrapPlan {
   std::string store_address;  // what clients connect to
   std::uint16_t store_port = 0;
   std::vector<std::uint16_t> fallback_ports;
-  bool host_store = false;  // this agent runs the embedded store
+  bool host_store = false;               // this agent runs the embedded store
   std::string bind_address = "0.0.0.0";  // where a hosted or standby store listens
 };
 
@@ -56,7 +56,6 @@ StoreConnector store_connector(const AuthConfig& auth, const std::string& run_id
 // Connects to the store at plan.store_address, trying the port then each fallback (a store of
 // another run refuses us and is skipped), retrying until `patience` runs out (the host may
 // still be starting). Throws StoreError naming the endpoint.
-std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const AuthConfig& auth,
-                                           Millis patience);
+std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const AuthConfig& auth, Millis patience);
 
 }  // namespace elastrun::rdzv

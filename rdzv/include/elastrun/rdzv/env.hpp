@@ -31,8 +31,7 @@ class EnvError : public std::runtime_error {
 
 // Expands a hostlist expression ("n[1-4],gpu[01-02]") into host names, in order.
 // Returns std::nullopt when the expression cannot be parsed.
-using HostlistExpander =
-    std::function<std::optional<std::vector<std::string>>(std::string_view expression)>;
+using HostlistExpander = std::function<std::optional<std::vector<std::string>>(std::string_view expression)>;
 
 // Parses Slurm's compressed task counts: "2(x3),1" -> {2,2,2,1}.
 // Throws std::invalid_argument with a description of the offending element.

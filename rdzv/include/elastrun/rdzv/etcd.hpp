@@ -23,9 +23,8 @@ class EtcdKv final : public KvBackend {
   std::uint64_t set(std::string_view key, std::string_view value, std::uint64_t lease = 0) override;
   std::optional<KeyValue> get(std::string_view key) override;
   std::int64_t add(std::string_view key, std::int64_t delta, std::uint64_t lease = 0) override;
-  bool compare_and_set(std::string_view key, const std::optional<std::string>& expected,
-                       std::string_view desired, std::uint64_t lease = 0,
-                       std::optional<std::string>* current = nullptr) override;
+  bool compare_and_set(std::string_view key, const std::optional<std::string>& expected, std::string_view desired,
+                       std::uint64_t lease = 0, std::optional<std::string>* current = nullptr) override;
   bool remove(std::string_view key) override;
   std::vector<KeyValue> get_prefix(std::string_view prefix, std::uint64_t* revision = nullptr) override;
   std::vector<WatchEvent> watch(std::string_view prefix, std::uint64_t after_revision, Millis timeout,

@@ -42,8 +42,8 @@ class KvBackend {
   virtual bool remove(std::string_view key) = 0;
   virtual std::vector<KeyValue> get_prefix(std::string_view prefix, std::uint64_t* revision = nullptr) = 0;
   // Events under `prefix` after `after_revision`; empty on timeout.
-  virtual std::vector<WatchEvent> watch(std::string_view prefix, std::uint64_t after_revision,
-                                        Millis timeout, std::uint64_t* revision = nullptr) = 0;
+  virtual std::vector<WatchEvent> watch(std::string_view prefix, std::uint64_t after_revision, Millis timeout,
+                                        std::uint64_t* revision = nullptr) = 0;
   // A lease dies after `ttl` without keep-alive (and, on the embedded store, with the
   // connection that holds it); its keys are deleted and writes under it are refused.
   // `holder` names the node holding the lease (lets the store confirm a silent holder with Slurm).

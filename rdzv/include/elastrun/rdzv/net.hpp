@@ -19,8 +19,8 @@ struct Listener {
   UniqueFd fd;
   std::uint16_t port = 0;
 };
-Listener listen_tcp(const std::string& address, std::uint16_t port,
-                    const std::vector<std::uint16_t>& fallbacks = {}, int backlog = 4096);
+Listener listen_tcp(const std::string& address, std::uint16_t port, const std::vector<std::uint16_t>& fallbacks = {},
+                    int backlog = 4096);
 
 // Connects to host:port (name or address), waiting at most `timeout`. Throws std::system_error
 // with the host and port in the message.

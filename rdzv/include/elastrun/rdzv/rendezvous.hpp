@@ -39,7 +39,7 @@ struct RendezvousConfig {
   std::string run_id;
   int min_nodes = 1;
   int max_nodes = 1;
-  Millis join_timeout{600'000};   // until `min_nodes` have joined
+  Millis join_timeout{600'000};    // until `min_nodes` have joined
   Millis last_call_timeout{1000};  // after `min_nodes` joined, wait this long for more
   Millis heartbeat_timeout{3000};  // a member silent this long is declared dead
 };
@@ -47,11 +47,11 @@ struct RendezvousConfig {
 // One agent as the others see it. Order in a round: (het component, node index, node name),
 // never host name sort, so group ranks follow SLURM_NODEID and survivors keep their order.
 struct MemberInfo {
-  std::string node_name;   // e.g. SLURMD_NODENAME
-  std::string address;     // how peers reach this node (IP or resolvable name)
+  std::string node_name;  // e.g. SLURMD_NODENAME
+  std::string address;    // how peers reach this node (IP or resolvable name)
   int het_component = 0;
-  int node_index = 0;      // index in the job's node list
-  int nproc = 1;           // workers on this node
+  int node_index = 0;  // index in the job's node list
+  int nproc = 1;       // workers on this node
   std::string role = "default";
   std::int64_t pid = 0;
   std::uint16_t master_port = 0;  // reserved at join; group rank 0's becomes MASTER_PORT
@@ -81,13 +81,13 @@ struct RoundResult {
 };
 
 enum class Change {
-  None,         // timeout: nothing happened
-  MemberLost,   // a member of the round died or went silent
+  None,           // timeout: nothing happened
+  MemberLost,     // a member of the round died or went silent
   MemberWaiting,  // a node waits to join and the round has room: scale up
-  Reform,       // another agent started a new round (failure elsewhere, restart request)
-  Fenced,       // we were declared dead: our lease is gone
-  Closed,       // the rendezvous was closed
-  StoreLost,    // the store is unreachable; next_round() fails over to a standby
+  Reform,         // another agent started a new round (failure elsewhere, restart request)
+  Fenced,         // we were declared dead: our lease is gone
+  Closed,         // the rendezvous was closed
+  StoreLost,      // the store is unreachable; next_round() fails over to a standby
 };
 std::string_view to_string(Change change);
 
@@ -114,8 +114,8 @@ class Rendezvous {
   // With a `connector`, losing the store is survivable: every member runs a standby store
   // (MemberInfo::store_port) and the survivors move to the first reachable one in round order,
   // where the next round rebuilds the state (docs/rendezvous.md, "No single point of failure").
-  Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> heartbeat_kv,
-             RendezvousConfig config, MemberInfo me, StoreConnector connector = {});
+  Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> heartbeat_kv, RendezvousConfig config,
+             MemberInfo me, StoreConnector connector = {});
   ~Rendezvous();
   Rendezvous(const Rendezvous&) = delete;
   Rendezvous& operator=(const Rendezvous&) = delete;

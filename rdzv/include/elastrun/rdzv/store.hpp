@@ -29,15 +29,15 @@ enum class StoreErrorKind {
   NotFound,
   CasFailed,
   Timeout,
-  NoSuchLease,       // expired, revoked, or never granted: the holder was declared dead
-  Compacted,         // a watch asked for history the server no longer keeps
+  NoSuchLease,  // expired, revoked, or never granted: the holder was declared dead
+  Compacted,    // a watch asked for history the server no longer keeps
   BadRequest,
-  AuthFailed,        // refused: wrong credentials, or a store of another run
+  AuthFailed,  // refused: wrong credentials, or a store of another run
   NotAuthenticated,
   TooLarge,
   StoreFull,
   NotANumber,
-  ConnectionLost,    // transport: unreachable, or the connection dropped
+  ConnectionLost,  // transport: unreachable, or the connection dropped
 };
 std::string_view to_string(StoreErrorKind kind);
 
@@ -53,13 +53,13 @@ class StoreError : public std::runtime_error {
 
 struct StoreServerOptions {
   std::string bind_address = "0.0.0.0";
-  std::uint16_t port = 0;                    // 0: any free port
+  std::uint16_t port = 0;                     // 0: any free port
   std::vector<std::uint16_t> fallback_ports;  // tried in order when `port` is taken
   AuthConfig auth;
   std::string run_id;  // clients must name the same run (a stray job's agents are refused)
   std::size_t max_connections = 8192;
   std::size_t max_store_bytes = 256u << 20;
-  std::size_t watch_history = 1u << 16;  // events kept for watchers that fall behind
+  std::size_t watch_history = 1u << 16;        // events kept for watchers that fall behind
   std::size_t max_pending_output = 64u << 20;  // per connection; a client that stops reading is cut
   // Optional Slurm confirmation of silent members: when a lease misses its keep-alives, ask
   // whether its holder's node is down (e.g. slurm_node_is_down). `false` (Slurm sees the node
@@ -96,8 +96,8 @@ class StoreServer {
 class StoreClient final : public KvBackend {
  public:
   // Connects and authenticates; throws StoreError (refused, unreachable, wrong run id).
-  StoreClient(const std::string& host, std::uint16_t port, const AuthConfig& auth,
-              std::string_view run_id, Millis connect_timeout = Millis(5000));
+  StoreClient(const std::string& host, std::uint16_t port, const AuthConfig& auth, std::string_view run_id,
+              Millis connect_timeout = Millis(5000));
   ~StoreClient() override;
   StoreClient(StoreClient&&) noexcept;
   StoreClient& operator=(StoreClient&&) noexcept;
@@ -107,19 +107,19 @@ class StoreClient final : public KvBackend {
   std::int64_t add(std::string_view key, std::int64_t delta, std::uint64_t lease = 0) override;
   // Sets `desired` if the key currently holds `expected` (or, with expected == nullopt, does
   // not exist). Returns true if swapped; `current` receives the value found otherwise.
-  bool compare_and_set(std::string_view key, const std::optional<std::string>& expected,
-                       std::string_view desired, std::uint64_t lease = 0,
-                       std::optional<std::string>* current = nullptr) override;
+  bool compare_and_set(std::string_view key, const std::optional<std::string>& expected, std::string_view desired,
+                       std::uint64_t lease = 0, std::optional<std::string>* current = nullptr) override;
   bool remove(std::string_view key) override;
   std::vector<KeyValue> get_prefix(std::string_view prefix, std::uint64_t* revision = nullptr) override;
   // True once every key exists; false on timeout.
   bool wait(const std::vector<std::string>& keys, Millis timeout);
   // Events under `prefix` after `after_revision`; empty on timeout. Throws StoreError with
   // Status::Compacted when the server no longer has that history (re-read with get_prefix).
-  std::vector<WatchEvent> watch(std::string_view prefix, std::uint64_t after_revision,
-                                Millis timeout, std::uint64_t* revision = nullptr) override;
-  std::uint64_t grant_lease(Millis ttl, std::string_view holder = {}) override;  // dies with this connection or after ttl without keep-alive
-  bool keep_alive(std::uint64_t lease) override;   // false: the lease is gone (we were declared dead)
+  std::vector<WatchEvent> watch(std::string_view prefix, std::uint64_t after_revision, Millis timeout,
+                                std::uint64_t* revision = nullptr) override;
+  std::uint64_t grant_lease(
+      Millis ttl, std::string_view holder = {}) override;  // dies with this connection or after ttl without keep-alive
+  bool keep_alive(std::uint64_t lease) override;           // false: the lease is gone (we were declared dead)
   void revoke_lease(std::uint64_t lease) override;
   std::uint64_t ping();  // the store's revision
 
