@@ -21,7 +21,7 @@
 //    "checkpoint-and-stop" (Slurm's time-limit warning, preemption) every rank saves and exits
 //    with the "checkpointed" code 85, and the agent requeues the job. SIGTERM without such a
 //    request stops every rank after the current step with exit 143 (bounded by --term-grace);
-//  - with $ELASTRUN_EVENTS_FILE it appends checkpoint_saved / resumed / train_done events.
+//  - with $ELASTRUN_EVENTS_FILE it appends checkpoint_saved / resumed / step / train_done events.
 // Log lines are "[rank N] ...". Exit codes: 0 done, 85 checkpointed and stopped, 143 SIGTERM,
 // 1 error (and --fail-at-step), 2 bad flags.
 #include <CLI/CLI.hpp>
@@ -296,6 +296,12 @@ class Trainer {
       ++step;
       if (rank_ == 0 && (step % 10 == 0 || step == args_.steps))
         log("step {}/{} loss {:.5f} world {}", step, args_.steps, loss, world_);
+      // the loss curve of a timeline (tools/elastrun-timeline): one small line per step
+      if (rank_ == 0)
+        events_.write("step", rank_,
+                      {{"step", step},
+                       {"loss", std::isnan(loss) ? nlohmann::json(nullptr) : nlohmann::json(loss)},
+                       {"world_size", world_}});
 
       const bool periodic = args_.ckpt_every > 0 && step % args_.ckpt_every == 0;
       const bool last = step == args_.steps;
