@@ -7,6 +7,8 @@
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
+#include <fstream>
+
 #include "job_outcome.hpp"
 #include "restart_policy.hpp"
 #include "worker_env.hpp"
@@ -322,6 +324,7 @@ State Agent::succeeded() {
     spdlog::warn("warning: not every node reached the exit barrier within {} s",
                  o_.exit_barrier_timeout.count() / 1000);
   if (rdzv_->current().group_rank == 0) {
+    write_outcome(JobOutcome::Succeeded, 0);
     try {
       rdzv_->close(close_reason(JobOutcome::Succeeded));
     } catch (const std::exception& e) {
@@ -375,6 +378,29 @@ int Agent::closed_exit(const RendezvousClosed& closed) {
 void Agent::log_state(std::string_view name, const std::string& what) {
   spdlog::info("state {}{}{}", name, what.empty() ? "" : " ", what);
   events_.emit("state", {{"state", name}, {"detail", what}});
+}
+
+// srun's exit code is not the job's outcome when Slurm ended tasks on nodes that left the job (a
+// shrink, scontrol update NumNodes): the batch script reads this file instead (sbatch/*.sbatch).
+void Agent::write_outcome(JobOutcome outcome, int exit_code) {
+  if (o_.outcome_file.empty()) return;
+  const char* name = outcome == JobOutcome::Succeeded      ? "succeeded"
+                     : outcome == JobOutcome::Checkpointed ? "checkpointed"
+                                                           : "failed";
+  const nlohmann::json j = {
+      {"outcome", name}, {"exit_code", exit_code}, {"run_id", plan_.run_id}, {"node", plan_.me.node_name}};
+  const std::string tmp = o_.outcome_file + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << j.dump() << "\n";
+    if (!out) {
+      spdlog::warn("warning: cannot write the outcome file {}", tmp);
+      return;
+    }
+  }
+  std::error_code ec;
+  fs::rename(tmp, o_.outcome_file, ec);
+  if (ec) spdlog::warn("warning: cannot rename {} to {}: {}", tmp, o_.outcome_file, ec.message());
 }
 
 void Agent::record_exit(const WorkerExit& e) {

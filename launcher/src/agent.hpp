@@ -32,6 +32,7 @@
 #include "elastrun/rdzv/rendezvous.hpp"
 #include "events.hpp"
 #include "failure_report.hpp"
+#include "job_outcome.hpp"
 #include "options.hpp"
 #include "signals.hpp"
 #include "workers.hpp"
@@ -96,6 +97,7 @@ class Agent {
   int closed_exit(const rdzv::RendezvousClosed& closed);
   void log_state(std::string_view name, const std::string& what);  // and its event
   void record_exit(const WorkerExit& e);                           // the event of every worker exit
+  void write_outcome(JobOutcome outcome, int exit_code);           // --outcome-file, group rank 0
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
   void ask_checkpoint_stop(int sig);  // a checkpoint signal reached us while workers ran

@@ -186,6 +186,7 @@ State Agent::checkpoint_stop() {
   }
   const int rc = local_ok ? kCheckpointedExitCode : stop_signal_ ? 128 + stop_signal_ : 1;
   if (round.group_rank == 0) {
+    write_outcome(local_ok ? JobOutcome::Checkpointed : JobOutcome::Failed, rc);
     request_requeue(stop_class_, {}, stop_signal_);
     try {
       rdzv_->close(close_reason(JobOutcome::Checkpointed, to_string(stop_class_)));

@@ -243,6 +243,9 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   app.add_option("--start-method,--start_method", o.start_method,
                  "spawn|fork|forkserver: accepted; workers are always separate fork+exec'd processes");
   app.add_option("--log-dir,--log_dir", o.log_dir, "per-attempt worker logs and error files go here");
+  app.add_option("--outcome-file,--outcome_file", o.outcome_file,
+                 "group rank 0 writes how the job ended here (JSON; default $ELASTRUN_OUTCOME_FILE): lets a "
+                 "batch script tell success from srun's exit code after a shrink");
   app.add_option("--events", o.events,
                  "JSON-lines event log (default with --log-dir: LOG_DIR/events-NODE.jsonl); workers get it "
                  "as ELASTRUN_EVENTS_FILE");
@@ -351,6 +354,8 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   if (o.master_port && o.master_addr.empty() && o.rdzv_endpoint.empty() && !o.standalone)
     throw UsageError("--master-port needs --master-addr (or use --rdzv-endpoint=HOST:PORT)");
 
+  if (o.outcome_file.empty())
+    if (const char* f = std::getenv("ELASTRUN_OUTCOME_FILE"); f && *f) o.outcome_file = f;
   const char* python = std::getenv("ELASTRUN_PYTHON");
   o.python = python && *python ? python : "python3";
   return ParseOutcome::Run;

@@ -70,7 +70,8 @@ struct AgentOptions {
   std::string start_method;  // accepted, no effect: workers are always fork+exec'd processes
   std::optional<int> master_port;
   std::string log_dir;
-  std::string events;  // --events: the event log (default with --log-dir: <log-dir>/events-<node>.jsonl)
+  std::string outcome_file;  // --outcome-file / $ELASTRUN_OUTCOME_FILE: group rank 0 writes how the job ended
+  std::string events;        // --events: the event log (default with --log-dir: <log-dir>/events-<node>.jsonl)
   StreamSpec redirects;
   StreamSpec tee;
   std::optional<std::set<int>> local_ranks_filter;  // console output only from these local ranks

@@ -1,0 +1,198 @@
+#!/usr/bin/env bash
+# The exactly-once fault suite: a real sbatch/ script runs examples' `train` to a fixed number of
+# steps on a private testbed while the test injects a fault, and then asserts the five points of
+# the promise "a failure changes nothing in the result":
+#   1. the job ends COMPLETED;
+#   2. the final checkpoint's model equals a failure-free reference run's (one process, same seed
+#      and global batch) within 1e-4 max abs difference (elastrun-ckpt diff);
+#   3. the committed checkpoint steps strictly increase across the whole job (rank 0's
+#      checkpoint_saved events, in time order, over every run of the job);
+#   4. no process of the job is left on any node (no /proc/*/environ with its SLURM_JOB_ID);
+#   5. the event logs say that the fault happened and was handled the way the scenario expects.
+# Scenarios (one per ctest, faults.<name>, each runnable alone: test_faults.sh NAME):
+#   worker_crash  elastic.sbatch, 2 nodes x 2 workers; rank 1 exits 1 at step 17 (--fail-at-step):
+#                 one restart job-wide, both rounds of world 4, resumed from step 15
+#   node_loss     elastic.sbatch, 4 nodes x 2; kill-node n3 mid-run: n3 lost, a round of world 6
+#   shrink        elastic.sbatch, 4 nodes x 2; scontrol update NumNodes=3 mid-run: Slurm releases a
+#                 node and ends its step tasks, the survivors re-form with world 6
+#   time_limit    requeue.sbatch, 2 nodes x 2; scancel --signal=USR1 (what --signal=USR1@T sends):
+#                 checkpoint-and-stop, requeue (Restarts=1), the second run resumes and completes
+#   two_faults    elastic.sbatch, 4 nodes x 2; kill-node n3, then rank 1 exits 1 at step 30 in the
+#                 world of 6: a round of 6, one restart, another round of 6
+# Usage: test_faults.sh SCENARIO   Environment: ELASTRUN_BIN (build/bin), SBATCH_DIR (sbatch/),
+# and the shared testbed's (ELASTRUN_TESTBED_ENV; a private testbed is used).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
+scenario=${1:?usage: test_faults.sh SCENARIO}
+FAIL_TAG=$scenario
+bin=${ELASTRUN_BIN:?ELASTRUN_BIN: the bin directory of the build}
+job_scripts=${SBATCH_DIR:?SBATCH_DIR: the sbatch/ directory of the repository}
+[[ -x $bin/train ]] || skip "no libtorch example trainer (build/bin/train)"
+sandbox
+out=$SANDBOX
+mkdir -p "$out/tmp"
+job=
+on_exit '[[ -z $job ]] || scancel "$job" 2>/dev/null'
+show_on_failure 60 "$out/job.out"
+show_on_failure 20 "$out/logs/events-*.jsonl"
+
+train_args=(--steps 40 --ckpt-every 5 --seed 11 --global-batch 240)
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+# submit NODES SCRIPT [VAR=VALUE...] -- ARGS...: submits an sbatch/ script on NODES nodes, 2
+# workers per node, running train; sets job.
+submit() {
+  local nodes=$1 script=$2
+  shift 2
+  local vars=()
+  while [[ $1 != -- ]]; do vars+=("$1"); shift; done
+  shift
+  job=$(env TMPDIR="$out/tmp" ELASTRUN="$bin/elastrun" NPROC=2 MIN_NODES=2 "${vars[@]}" \
+    sbatch --parsable --nodes="$nodes" --chdir="$out" --output="$out/job.out" "$job_scripts/$script" "$@")
+  job=${job%%;*}
+  echo "job $job: $script on $nodes nodes"
+}
+
+job_state() { scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
+job_ended() { [[ $(job_state) == @(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE) ]]; }
+
+# the newest step rank 0 reported (0 before the first)
+progress() {
+  cat "$out"/logs/events-*.jsonl 2>/dev/null | /usr/bin/python3 -c '
+import json, sys
+print(max((e["step"] for e in map(json.loads, sys.stdin) if e.get("event") == "step"), default=0))'
+}
+past_step() { (($(progress) >= $1)); }
+# wait_past_step N: until rank 0 has done N steps (fails if the job ends first)
+wait_past_step() {
+  local n=$1 deadline=$((SECONDS + 180))
+  until past_step "$n"; do
+    job_ended && fail "job $job ended ($(job_state)) before step $n"
+    ((SECONDS < deadline)) || fail "training did not reach step $n in 180 s"
+    sleep 0.2
+  done
+}
+
+# the event logs as one JSON array, in time order
+events_json() {
+  cat "$out"/logs/events-*.jsonl | /usr/bin/python3 -c '
+import json, sys
+print(json.dumps(sorted(map(json.loads, sys.stdin), key=lambda e: e["time"])))'
+}
+
+# check_promise EXPECT_PY: the five points; EXPECT_PY is Python over `events` (a list, in time
+# order) that asserts point 5.
+check_promise() {
+  local expect=$1
+  wait_for -i 0.5 300 job_ended || fail "job $job did not end within 300 s: $(job_state)"
+  # 1.
+  [[ $(job_state) == COMPLETED ]] || fail "1: job $job ended $(job_state), expected COMPLETED"
+  # 2.
+  "$bin/elastrun-ckpt" diff "$out/ckpt" "$out/reference" >"$out/diff.txt" 2>&1 ||
+    fail "2: the final model differs from the failure-free run: $(tail -3 "$out/diff.txt")"
+  # 3. and 5.
+  events_json >"$out/events.json"
+  /usr/bin/python3 - "$out/events.json" "$expect" <<'PY' || fail "3/5: the event logs do not show what should have happened (above)"
+import json, sys
+events = json.load(open(sys.argv[1]))
+saved = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("rank") == 0]
+assert saved, "3: no checkpoint was committed"
+assert all(a < b for a, b in zip(saved, saved[1:])), f"3: committed steps do not strictly increase: {saved}"
+rounds = [e for e in events if e["event"] == "round"]
+worlds = []
+for e in rounds:  # one entry per round (every agent logs it)
+    if not worlds or worlds[-1][0] != (e["run_id"], e["generation"]):
+        worlds.append(((e["run_id"], e["generation"]), e["world_size"]))
+worlds = [w for _, w in worlds]
+kinds = [e["event"] for e in events]
+try:
+    exec(sys.argv[2])
+except AssertionError as err:
+    print(f"5: {err}; rounds' world sizes {worlds}; committed steps {saved}", file=sys.stderr)
+    sys.exit(1)
+print(f"rounds' world sizes {worlds}; committed steps {saved}")
+PY
+  # 4.
+  job_processes() {
+    local p
+    for p in /proc/[0-9]*; do
+      tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$job" && echo "${p#/proc/}"
+    done
+    return 0
+  }
+  no_job_processes() { [[ -z $(job_processes) ]]; }
+  wait_for -i 0.5 30 no_job_processes || fail "4: processes of job $job are left: $(job_processes | tr '\n' ' ')"
+  echo "ok: $scenario: COMPLETED, $(tail -1 "$out/diff.txt"), steps increase, no process left, events as expected"
+  job=
+}
+
+# ---- the scenarios ------------------------------------------------------------------------------
+
+nodes=4
+[[ $scenario == @(worker_crash|time_limit) ]] && nodes=2
+private_testbed_up "$nodes" "faults-$scenario"
+
+# the failure-free reference: one process, world 1
+"$bin/train" "${train_args[@]}" --ckpt-dir "$out/reference" >"$out/reference.log" 2>&1 ||
+  fail "the reference run failed: $(tail -5 "$out/reference.log")"
+
+agent_args=(--log-dir "$out/logs" --checkpoint-dir "$out/ckpt")
+case $scenario in
+worker_crash)
+  submit 2 elastic.sbatch -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 100 --fail-at-step 17:1
+  check_promise '
+assert worlds == [4, 4], "expected two rounds of world 4 (a restart)"
+decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
+assert decisions.count("restart") == 1, f"expected one counted restart, got {decisions}"
+assert any(e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] == 1 for e in events), "no exit 1 of rank 1"
+assert [e["step"] for e in events if e["event"] == "resumed"] == [15], "expected one resume from step 15"'
+  ;;
+node_loss)
+  submit 4 elastic.sbatch -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150
+  wait_past_step 12
+  "$TB" kill-node n3
+  check_promise '
+assert worlds[0] == 8 and worlds[-1] == 6, "expected world 8, then 6"
+lost = {e["member"] for e in events if e["event"] == "member_lost"}
+assert lost == {"n3"}, f"expected n3 lost, got {lost}"
+assert not any(e["event"] == "failure_decision" and e["action"] == "restart" for e in events), "a node loss counted as a restart"'
+  ;;
+shrink)
+  submit 4 elastic.sbatch -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150
+  wait_past_step 12
+  scontrol update JobId="$job" NumNodes=3 >"$out/scontrol.txt" 2>&1 || fail "scontrol update NumNodes=3: $(cat "$out/scontrol.txt")"
+  shrunk=$job
+  check_promise '
+assert worlds[0] == 8 and worlds[-1] == 6, "expected world 8, then 6 after the shrink"
+assert len({e["member"] for e in events if e["event"] == "member_lost"}) == 1, "expected one member lost"'
+  scontrol show job "$shrunk" | grep -q "NumNodes=3" || fail "job $shrunk does not show NumNodes=3 after the shrink"
+  ;;
+time_limit)
+  submit 2 requeue.sbatch CKPT="$out/ckpt" -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 100
+  wait_past_step 12
+  scancel --signal=USR1 "$job"
+  requeued=$job
+  check_promise '
+requeues = [e for e in events if e["event"] == "requeue"]
+assert len(requeues) == 1 and requeues[0]["requeued"] and requeues[0]["class"] == "timelimit", f"expected one timelimit requeue, got {requeues}"
+assert len({e["run_id"] for e in rounds}) == 2, "expected a second run after the requeue"
+stops = [e for e in events if e["event"] == "checkpoint_outcome" and e["kind"] == "stop"]
+assert stops and all(e["complete"] for e in stops), f"checkpoint-and-stop incomplete: {stops}"
+assert len([e for e in events if e["event"] == "resumed"]) == 1, "expected one resume"'
+  scontrol show job "$requeued" | grep -q "Restarts=1" || fail "job $requeued was not requeued exactly once"
+  ;;
+two_faults)
+  submit 4 elastic.sbatch -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150 --fail-at-step 30:1
+  wait_past_step 12
+  "$TB" kill-node n3
+  check_promise '
+assert worlds[0] == 8 and worlds[-2:] == [6, 6], f"expected world 8, then 6, then 6 again after the restart"
+assert {e["member"] for e in events if e["event"] == "member_lost"} == {"n3"}, "expected n3 lost"
+decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
+assert decisions.count("restart") == 1, f"expected one counted restart after the re-form, got {decisions}"'
+  ;;
+*)
+  fail "unknown scenario '$scenario' (worker_crash node_loss shrink time_limit two_faults)"
+  ;;
+esac
