@@ -15,6 +15,7 @@
 #include <xxhash.h>
 
 #include "elastrun/ckpt/errors.hpp"
+#include "elastrun/ckpt/testing.hpp"
 #include "internal.hpp"
 
 namespace elastrun::ckpt::detail {
@@ -283,3 +284,9 @@ std::string invalid_name_reason(std::string_view name) {
 std::string shape_string(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
 }  // namespace elastrun::ckpt::detail
+
+namespace elastrun::ckpt::testing {
+
+void set_fault_hook(FaultHook hook) { detail::set_fault_hook(std::move(hook)); }
+
+}  // namespace elastrun::ckpt::testing

@@ -42,6 +42,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -52,6 +53,7 @@
 #include "elastrun/ckpt/async_saver.hpp"
 #include "elastrun/ckpt/c10d_store_comm.hpp"
 #include "elastrun/ckpt/checkpoint.hpp"
+#include "elastrun/ckpt/testing.hpp"
 #include "elastrun/ckpt/torch_adapter.hpp"
 #include "elastrun/control.hpp"
 
@@ -389,6 +391,23 @@ class Trainer {
     std::_Exit(1);
   }
 
+  // Tests only (the fault suite): with ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=N the asynchronous save of
+  // step N stops for good inside its commit on rank 0 (every shard written, the step not yet
+  // published) and writes <ckpt-dir>/train-parked-save-N, so that a test can SIGKILL the workers
+  // exactly while a checkpoint is being written. Once per job, like --fail-at-step.
+  void maybe_park_save(std::uint64_t step) {
+    const char* at = std::getenv("ELASTRUN_TRAIN_PARK_SAVE_AT_STEP");
+    if (!at || rank_ != 0 || std::to_string(step) != at) return;
+    const auto parked = std::filesystem::path(args_.ckpt_dir) / fmt::format("train-parked-save-{}", step);
+    if (std::filesystem::exists(parked)) return;  // parked once already in this job
+    elastrun::ckpt::testing::set_fault_hook([parked](std::string_view point, int) {
+      if (point != "commit.before_publish") return;
+      std::ofstream(parked) << "parked\n";
+      while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
+    });
+    log("ELASTRUN_TRAIN_PARK_SAVE_AT_STEP={}: the save of step {} will stop inside its commit", step, step);
+  }
+
   // One step over the global samples [next_sample_, next_sample_ + B): this rank's share,
   // loss = sum of squared errors / B, gradients all-reduced with SUM together with the loss and
   // the control flags (one all-reduce per step; every rank takes the same decision).
@@ -491,6 +510,7 @@ class Trainer {
   void save(std::uint64_t step, double loss, bool wait) {
     const auto t0 = Clock::now();
     finish_save();
+    maybe_park_save(step);
     elastrun::ckpt::torch_adapter::SaveViews views;
     for (std::size_t q = 0; q < params_.size(); ++q) {
       views.add_replicated("model/" + names_[q], params_[q]);

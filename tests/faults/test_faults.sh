@@ -19,6 +19,9 @@
 #                 checkpoint-and-stop, requeue (Restarts=1), the second run resumes and completes
 #   two_faults    elastic.sbatch, 4 nodes x 2; kill-node n3, then rank 1 exits 1 at step 30 in the
 #                 world of 6: a round of 6, one restart, another round of 6
+#   kill_during_save  elastic.sbatch, 2 nodes x 2; the async save of step 20 is parked inside its
+#                 commit (ELASTRUN_TRAIN_PARK_SAVE_AT_STEP, a test switch of train) and every worker
+#                 is SIGKILLed there: one restart, resumed from step 15, no partial step left
 # Usage: test_faults.sh SCENARIO   Environment: ELASTRUN_BIN (build/bin), SBATCH_DIR (sbatch/),
 # and the shared testbed's (ELASTRUN_TESTBED_ENV; a private testbed is used).
 set -euo pipefail
@@ -130,7 +133,7 @@ PY
 # ---- the scenarios ------------------------------------------------------------------------------
 
 nodes=4
-[[ $scenario == @(worker_crash|time_limit) ]] && nodes=2
+[[ $scenario == @(worker_crash|time_limit|kill_during_save) ]] && nodes=2
 private_testbed_up "$nodes" "faults-$scenario"
 
 # the failure-free reference: one process, world 1
@@ -192,7 +195,30 @@ assert {e["member"] for e in events if e["event"] == "member_lost"} == {"n3"}, "
 decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
 assert decisions.count("restart") == 1, f"expected one counted restart after the re-form, got {decisions}"'
   ;;
+kill_during_save)
+  submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 100
+  wait_for -i 0.2 180 test -e "$out/ckpt/train-parked-save-20" || fail "the save of step 20 was not parked"
+  workers() { # the job's train processes
+    local p
+    for p in /proc/[0-9]*; do
+      [[ $(cat "$p/comm" 2>/dev/null) == train ]] || continue
+      tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$job" && echo "${p#/proc/}"
+    done
+    return 0
+  }
+  victims=$(workers)
+  [[ $(wc -w <<<"$victims") == 4 ]] || fail "expected 4 workers to kill, found: $victims"
+  kill -KILL $victims
+  echo "SIGKILLed workers $victims while step 20 was being committed"
+  check_promise '
+assert worlds == [4, 4], "expected two rounds of world 4 (a restart)"
+assert [e["step"] for e in events if e["event"] == "resumed"] == [15], "expected one resume from step 15, the newest committed step"
+assert [e["action"] for e in events if e["event"] == "failure_decision"].count("restart") == 1, "expected one counted restart"
+assert sum(1 for e in events if e["event"] == "worker_exit" and e["signal"] == "SIGKILL") >= 4, "the 4 SIGKILLs are not in the log"'
+  left=$(find "$out/ckpt" -maxdepth 1 -name 'step-*.*' | tr '\n' ' ')
+  [[ -z $left ]] || fail "partial or retired step directories left: $left"
+  ;;
 *)
-  fail "unknown scenario '$scenario' (worker_crash node_loss shrink time_limit two_faults)"
+  fail "unknown scenario '$scenario' (worker_crash node_loss shrink time_limit two_faults kill_during_save)"
   ;;
 esac
