@@ -321,9 +321,9 @@ class Trainer {
       if (agreed_.term) terminate(step);
       if (saver_ && (periodic || agreed_.checkpoint || last)) save(step, loss, /*wait=*/last);
     }
-    if (saver_) finish_save();  // e.g. resumed at --steps: nothing new, but a save may be pending
+    if (saver_) finish_save();           // e.g. resumed at --steps: nothing new, but a save may be pending
+    log("done: {} steps", args_.steps);  // every rank, as before: tests count the ranks that finished
     if (rank_ == 0) {
-      log("done: {} steps", args_.steps);
       log("final loss {}", std::isnan(loss) ? std::string("nan") : fmt::format("{:.9g}", loss));
       events_.write("train_done", rank_,
                     {{"step", step},
