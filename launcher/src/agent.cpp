@@ -20,6 +20,8 @@ namespace elastrun::launcher {
 namespace fs = std::filesystem;
 using namespace elastrun::rdzv;
 
+static_assert(elastrun::control::kCheckpointedExitCode == 85, "WorkerExit::checkpointed() tests for 85");
+
 namespace {
 
 // After a local worker failure: how long to look for a membership change that explains it.
@@ -76,6 +78,8 @@ int Agent::run() {
   if (group_) stop_workers(o_.stop_grace);  // every state stops its workers before Exit; never orphan
   events_.emit("exit", {{"code", rc_}});
   linger_for_peers();
+  // the signal thread may be requeueing (it exits the process when done): not under our feet
+  std::lock_guard requeue_done(requeue_mutex_);
   return rc_;
 }
 
@@ -115,10 +119,13 @@ State Agent::rendezvous() {
                           r.rank_offset + o_.nproc_per_node - 1, r.world_size, r.master_addr, r.master_port));
     return State::StartWorkers;
   } catch (const RendezvousClosed& e) {
-    if (rdzv_->current().group_world_size > 0 && outcome_of_close(e.reason()) != JobOutcome::Succeeded) {
+    const auto outcome = outcome_of_close(e.reason());
+    if (rdzv_->current().group_world_size > 0 && outcome != JobOutcome::Succeeded) {
       print_summary();  // group rank 0 of the last round: the job-wide one
       requeue_failed_job();
     }
+    if (rdzv_->current().group_world_size > 0 && rdzv_->current().group_rank == 0)
+      write_outcome(outcome, exit_code_of(outcome));
     return exit_with(closed_exit(e));
   } catch (const RendezvousError& e) {
     if (rdzv_->current().group_world_size == 0) throw;  // no round ever formed
@@ -126,6 +133,7 @@ State Agent::rendezvous() {
     spdlog::error("error: {}", e.what());
     print_summary();
     requeue_after_node_loss();
+    if (rdzv_->current().group_rank == 0) write_outcome(JobOutcome::Failed, 1);
     return exit_with(1);
   }
 }
@@ -184,7 +192,7 @@ State Agent::monitor() {
       attempt_exits_.push_back(e);
       if (e.ok()) {
         spdlog::info("worker {} exited 0", e.global_rank);
-      } else if (e.signal == 0 && e.exit_code == elastrun::control::kCheckpointedExitCode) {
+      } else if (e.checkpointed()) {
         spdlog::info("worker {} exited {}: checkpointed, asks to be requeued", e.global_rank, e.exit_code);
         checkpointed = true;
       } else {
@@ -208,11 +216,8 @@ State Agent::monitor() {
     }
     if (group_->all_exited()) return State::Succeeded;
     if (stop_requested_elsewhere()) return State::CheckpointStop;
-    change_ = rdzv_->wait_for_change(o_.monitor_interval);
-    if (change_ != Change::None) {
-      change_seen_ = Clock::now();
-      return State::MembershipChanged;
-    }
+    change_ = wait_for_change(o_.monitor_interval);
+    if (change_ != Change::None) return State::MembershipChanged;
   }
 }
 
@@ -223,7 +228,7 @@ State Agent::monitor() {
 State Agent::failed() {
   log_state("FAILED", failures_.last().one_line());
   FailedObservation seen;
-  seen.settle_change = rdzv_->wait_for_change(kFailureSettle);
+  seen.settle_change = wait_for_change(kFailureSettle);
   seen.max_restarts = o_.max_restarts;
   for (const auto& e : group_->poll_exits()) {
     record_exit(e);
@@ -252,7 +257,7 @@ State Agent::failed() {
     case FailedAction::AwaitClaimer:
       // Wait for the claimer's decision: a new round (Reform) or the budget used up (Closed).
       spdlog::info("the failure coincides with a restart of this round counted by another agent: not counted again");
-      change = rdzv_->wait_for_change(kClaimerPatience);
+      change = wait_for_change(kClaimerPatience);
       break;
     case FailedAction::GiveUp: {
       // tell the other agents first, then stop our workers
@@ -295,12 +300,6 @@ State Agent::failed() {
 // MEMBERSHIP_CHANGED: a member was lost, one waits to join, or another agent asked for a new
 // round: stop the workers (after a scale-up checkpoint when a node joins) and re-form.
 State Agent::membership_changed() {
-  if (change_ == Change::MemberLost && rdzv_->last_loss()) {
-    const auto& loss = *rdzv_->last_loss();
-    nlohmann::json fields = {{"member", loss.node_name}, {"how", loss.how}};
-    if (loss.since_heartbeat_ms) fields["since_heartbeat_ms"] = *loss.since_heartbeat_ms;
-    events_.emit("member_lost", fields);
-  }
   log_state("MEMBERSHIP_CHANGED",
             change_ == Change::Closed
                 ? std::string("rendezvous closed by another agent: stopping workers")
@@ -389,10 +388,11 @@ void Agent::write_outcome(JobOutcome outcome, int exit_code) {
                                                            : "failed";
   const nlohmann::json j = {
       {"outcome", name}, {"exit_code", exit_code}, {"run_id", plan_.run_id}, {"node", plan_.me.node_name}};
+  const auto text = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   const std::string tmp = o_.outcome_file + ".tmp";
   {
     std::ofstream out(tmp, std::ios::trunc);
-    out << j.dump() << "\n";
+    out << text << "\n";
     if (!out) {
       spdlog::warn("warning: cannot write the outcome file {}", tmp);
       return;
@@ -401,6 +401,19 @@ void Agent::write_outcome(JobOutcome outcome, int exit_code) {
   std::error_code ec;
   fs::rename(tmp, o_.outcome_file, ec);
   if (ec) spdlog::warn("warning: cannot rename {} to {}: {}", tmp, o_.outcome_file, ec.message());
+}
+
+// Every wait for a membership change goes through here, so that each member lost is in the
+// event log whichever state noticed it (MONITOR, FAILED's settle window, the scale-up checkpoint).
+Change Agent::wait_for_change(Millis timeout) {
+  const Change change = rdzv_->wait_for_change(timeout);
+  if (change == Change::MemberLost && rdzv_->last_loss()) {
+    const auto& loss = *rdzv_->last_loss();
+    nlohmann::json fields = {{"member", loss.node_name}, {"how", loss.how}};
+    if (loss.since_heartbeat_ms) fields["since_heartbeat_ms"] = *loss.since_heartbeat_ms;
+    events_.emit("member_lost", fields);
+  }
+  return change;
 }
 
 void Agent::record_exit(const WorkerExit& e) {

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -95,9 +96,10 @@ class Agent {
   void record(const WorkerExit& e);
   void print_summary() { failures_.print_summary(rdzv_.get(), plan_.run_id, o_.max_restarts); }
   int closed_exit(const rdzv::RendezvousClosed& closed);
-  void log_state(std::string_view name, const std::string& what);  // and its event
-  void record_exit(const WorkerExit& e);                           // the event of every worker exit
-  void write_outcome(JobOutcome outcome, int exit_code);           // --outcome-file, group rank 0
+  void log_state(std::string_view name, const std::string& what);   // and its event
+  void record_exit(const WorkerExit& e);                            // the event of every worker exit
+  rdzv::Change wait_for_change(std::chrono::milliseconds timeout);  // and the member_lost event
+  void write_outcome(JobOutcome outcome, int exit_code);            // --outcome-file, group rank 0
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
   void ask_checkpoint_stop(int sig);  // a checkpoint signal reached us while workers ran
@@ -128,7 +130,6 @@ class Agent {
   std::vector<std::string> error_files_;      // this attempt's, by local rank
   std::vector<WorkerExit> attempt_exits_;     // this attempt's exits seen in MONITOR
   rdzv::Change change_ = rdzv::Change::None;  // what MONITOR saw, for MEMBERSHIP_CHANGED
-  Clock::time_point change_seen_{};           // when MONITOR saw it
   int rc_ = 1;
   // checkpoint-and-stop (state CHECKPOINT_STOP)
   std::string control_path_;  // this attempt's control file (ELASTRUN_CONTROL_FILE)
@@ -137,6 +138,9 @@ class Agent {
   int stop_signal_ = 0;  // the signal that asked for it, 0 if a worker or a peer did
   std::string stop_reason_;
   Clock::time_point next_stop_poll_{};
+  // requeue: once per agent, from the main thread or the signal thread (request_requeue)
+  std::mutex requeue_mutex_;
+  bool requeue_attempted_ = false, requeued_ = false;
 };
 
 }  // namespace elastrun::launcher

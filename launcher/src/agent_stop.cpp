@@ -130,7 +130,7 @@ State Agent::checkpoint_stop() {
     while (true) {
       for (auto& e : group_->poll_exits()) {
         record_exit(e);
-        if (e.signal == 0 && e.exit_code == kCheckpointedExitCode)
+        if (e.checkpointed())
           spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
         else if (e.ok())
           spdlog::info("worker {} exited 0", e.global_rank);
@@ -154,7 +154,7 @@ State Agent::checkpoint_stop() {
   for (auto& e : stop_workers(o_.stop_grace)) exits.push_back(std::move(e));
   int checkpointed = 0, succeeded = 0;
   for (const auto& e : exits) {
-    if (e.signal == 0 && e.exit_code == kCheckpointedExitCode)
+    if (e.checkpointed())
       ++checkpointed;
     else if (e.ok())
       ++succeeded;
@@ -223,7 +223,7 @@ Change Agent::checkpoint_before_scale_up() {
   while (true) {
     for (const auto& e : group_->poll_exits()) {
       record_exit(e);
-      if (e.signal == 0 && e.exit_code == kCheckpointedExitCode) {
+      if (e.checkpointed()) {
         ++checkpointed;
         spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
       } else if (e.ok()) {
@@ -250,7 +250,7 @@ Change Agent::checkpoint_before_scale_up() {
                    o_.checkpoint_timeout.count() / 1000);
       return Change::MemberWaiting;
     }
-    if (const Change c = rdzv_->wait_for_change(Millis(50)); c != Change::None && c != Change::MemberWaiting) {
+    if (const Change c = wait_for_change(Millis(50)); c != Change::None && c != Change::MemberWaiting) {
       spdlog::info("scale-up: {} during the checkpoint: stopping the workers now", to_string(c));
       return c;
     }
@@ -269,7 +269,7 @@ Change Agent::checkpoint_before_scale_up() {
             round.group_world_size);
         break;
       }
-      if (const Change c = rdzv_->wait_for_change(Millis(50)); c != Change::None && c != Change::MemberWaiting) {
+      if (const Change c = wait_for_change(Millis(50)); c != Change::None && c != Change::MemberWaiting) {
         // a node that saw everyone done first starts the next round (Reform): not an interruption
         if (rdzv_->add_to_counter(key, 0) >= round.group_world_size) {
           spdlog::info("scale-up: every node checkpointed; re-forming");
@@ -286,8 +286,22 @@ Change Agent::checkpoint_before_scale_up() {
   return Change::MemberWaiting;
 }
 
+// Once per agent: the signal thread (a stop signal while group rank 0 re-forms) and the main
+// thread (the round it was re-forming failed or closed meanwhile) may both get here.
 bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal) {
-  const bool requeued = requeue_job(env_.slurm ? &*env_.slurm : nullptr, o_, cls, exclude, signal);
+  std::lock_guard lock(requeue_mutex_);
+  if (requeue_attempted_) {
+    spdlog::info("requeue ({}): already requested by this agent", to_string(cls));
+    return requeued_;
+  }
+  requeue_attempted_ = true;
+  bool requeued = false;
+  try {
+    requeued = requeue_job(env_.slurm ? &*env_.slurm : nullptr, o_, cls, exclude, signal);
+  } catch (const std::exception& e) {  // e.g. a damaged ledger: the job is not requeued
+    spdlog::error("error: requeueing the job: {}", e.what());
+  }
+  requeued_ = requeued;
   events_.emit("requeue", {{"class", to_string(cls)},
                            {"signal", signal ? signal_name(signal) : ""},
                            {"exclude", exclude},

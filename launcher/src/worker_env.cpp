@@ -32,8 +32,7 @@ const std::vector<std::string>& worker_variable_names() {
                                                  "NODE_RANK",
                                                  "ELASTRUN_CONTROL_FILE",
                                                  "ELASTRUN_CHECKPOINT_DIR",
-                                                 "ELASTRUN_CHECKPOINTED_EXIT_CODE",
-                                                 "ELASTRUN_EVENTS_FILE"};
+                                                 "ELASTRUN_CHECKPOINTED_EXIT_CODE"};
   return names;
 }
 
@@ -97,6 +96,8 @@ std::vector<WorkerSpec> worker_specs(const AttemptContext& a, const std::vector<
     std::error_code ec;
     fs::remove(s.error_file, ec);
     s.env = inherited;
+    if (!a.events_file.empty())  // ours replaces one the user exported; without ours, the user's stays
+      std::erase_if(s.env, [](const std::string& kv) { return kv.starts_with("ELASTRUN_EVENTS_FILE="); });
     auto ours = worker_variables(a, local, s.error_file, inherited);
     s.env.insert(s.env.end(), std::make_move_iterator(ours.begin()), std::make_move_iterator(ours.end()));
 

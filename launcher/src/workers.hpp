@@ -35,6 +35,8 @@ struct WorkerExit {
   std::string exec_error;  // the program could not be executed (then exit_code 127)
   std::chrono::system_clock::time_point when;
   bool ok() const { return signal == 0 && exit_code == 0; }
+  // exit 85 (elastrun::control::kCheckpointedExitCode): "I saved a checkpoint and stopped"
+  bool checkpointed() const { return signal == 0 && exit_code == 85; }
 };
 
 class WorkerGroup {

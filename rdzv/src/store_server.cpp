@@ -1,5 +1,6 @@
 // The store server: one thread, epoll, all state in memory.
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -599,7 +600,7 @@ struct StoreServer::Impl {
     // Watchers of the deleted keys learn how the lease ended and how long after its last
     // keep-alive (docs/rendezvous.md, "Leases"): a member's loss is reported with both.
     const auto since = std::chrono::duration_cast<Millis>(Clock::now() - it->second.renewed).count();
-    const std::string event = fmt::format(R"({{"lease_end":"{}","since_renewal_ms":{}}})", why, since);
+    const std::string event = nlohmann::json{{"lease_end", why}, {"since_renewal_ms", since}}.dump();
     leases.erase(it);
     spdlog::debug("[store] lease {} ended ({}), deleting {} keys", lease_id, why, keys.size());
     for (const auto& k : keys) erase_key(k, event);

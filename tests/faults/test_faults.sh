@@ -19,6 +19,10 @@
 #                 checkpoint-and-stop, requeue (Restarts=1), the second run resumes and completes
 #   two_faults    elastic.sbatch, 4 nodes x 2; kill-node n3, then rank 1 exits 1 at step 30 in the
 #                 world of 6: a round of 6, one restart, another round of 6
+#   resize_requeue  requeue.sbatch, 4 nodes x 1 worker: kill-node n3 (world 4 -> 3), then n4 drained
+#                 and scancel --signal=USR1: checkpoint, requeue; the pending job is lowered to the 2
+#                 nodes left (scontrol update NumNodes=2 NumTasks=2, as an operator would) and the second run
+#                 resumes at world 2 and completes
 #   kill_during_save  elastic.sbatch, 2 nodes x 2; the async save of step 20 is parked inside its
 #                 commit (ELASTRUN_TRAIN_PARK_SAVE_AT_STEP, a test switch of train) and every worker
 #                 is SIGKILLed there: one restart, resumed from step 15, no partial step left
@@ -36,7 +40,7 @@ out=$SANDBOX
 mkdir -p "$out/tmp"
 job=
 on_exit '[[ -z $job ]] || scancel "$job" 2>/dev/null'
-show_on_failure 60 "$out/job.out"
+show_on_failure 150 "$out/job.out"
 show_on_failure 20 "$out/logs/events-*.jsonl"
 
 train_args=(--steps 40 --ckpt-every 5 --seed 11 --global-batch 240)
@@ -88,7 +92,7 @@ print(json.dumps(sorted(map(json.loads, sys.stdin), key=lambda e: e["time"])))'
 # order) that asserts point 5.
 check_promise() {
   local expect=$1
-  wait_for -i 0.5 300 job_ended || fail "job $job did not end within 300 s: $(job_state)"
+  wait_for -i 0.5 ${JOB_PATIENCE:-300} job_ended || fail "job $job did not end within 300 s: $(job_state)"
   # 1.
   [[ $(job_state) == COMPLETED ]] || fail "1: job $job ended $(job_state), expected COMPLETED"
   # 2.
@@ -195,6 +199,32 @@ assert {e["member"] for e in events if e["event"] == "member_lost"} == {"n3"}, "
 decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
 assert decisions.count("restart") == 1, f"expected one counted restart after the re-form, got {decisions}"'
   ;;
+resize_requeue)
+  submit 4 requeue.sbatch CKPT="$out/ckpt" NPROC=1 -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
+  wait_past_step 8
+  "$TB" kill-node n3
+  world3() {
+    cat "$out"/logs/events-*.jsonl | /usr/bin/python3 -c '
+import json, sys
+sys.exit(0 if any(e["event"] == "round" and e["world_size"] == 3 for e in map(json.loads, sys.stdin)) else 1)'
+  }
+  wait_for -i 0.2 120 world3 || fail "no round of world 3 after kill-node n3"
+  wait_past_step 20
+  scontrol update NodeName=n4 State=DRAIN Reason=faults-resize_requeue
+  scancel --signal=USR1 "$job"
+  requeued=$job
+  pending() { [[ $(job_state) == PENDING ]]; }
+  wait_for -i 0.2 120 pending || fail "job $job was not requeued (state $(job_state))"
+  scontrol update JobId="$job" NumNodes=2 NumTasks=2 >"$out/scontrol.txt" 2>&1 || fail "scontrol update NumNodes=2: $(cat "$out/scontrol.txt")"
+  on_failure 'scontrol show job "$requeued" >&2; sinfo >&2'
+  check_promise '
+assert worlds == [4, 3, 2], "expected world 4, then 3 (node lost), then 2 (requeued onto 2 nodes)"
+requeues = [e for e in events if e["event"] == "requeue"]
+assert len(requeues) == 1 and requeues[0]["requeued"] and requeues[0]["class"] == "timelimit", f"expected one timelimit requeue, got {requeues}"
+assert len([e for e in events if e["event"] == "resumed"]) == 2, "expected two resumes (after the loss, after the requeue)"'
+  grep -h "max |Δ|" "$out/diff.txt"
+  scontrol show job "$requeued" | grep -q "Restarts=1" || fail "job $requeued was not requeued exactly once"
+  ;;
 kill_during_save)
   submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 100
   wait_for -i 0.2 180 test -e "$out/ckpt/train-parked-save-20" || fail "the save of step 20 was not parked"
@@ -207,7 +237,7 @@ kill_during_save)
     return 0
   }
   victims=$(workers)
-  [[ $(wc -w <<<"$victims") == 4 ]] || fail "expected 4 workers to kill, found: $victims"
+  (($(wc -w <<<"$victims") >= 4)) || fail "expected 4 workers to kill, found: $victims"
   kill -KILL $victims
   echo "SIGKILLed workers $victims while step 20 was being committed"
   check_promise '
@@ -219,6 +249,6 @@ assert sum(1 for e in events if e["event"] == "worker_exit" and e["signal"] == "
   [[ -z $left ]] || fail "partial or retired step directories left: $left"
   ;;
 *)
-  fail "unknown scenario '$scenario' (worker_crash node_loss shrink time_limit two_faults kill_during_save)"
+  fail "unknown scenario '$scenario' (worker_crash node_loss shrink time_limit two_faults kill_during_save resize_requeue)"
   ;;
 esac

@@ -139,6 +139,18 @@ TEST(WorkerEnv, UserThreadsAndSingleWorker) {
   EXPECT_FALSE(as_map(worker_variables(a, 0, "e", {})).contains("OMP_NUM_THREADS"));
 }
 
+TEST(WorkerEnv, EventsFileOursReplacesTheUsers) {
+  TempDir dir;
+  AgentOptions o;
+  const auto round = second_node_of_three();
+  auto a = attempt_in(o, round, dir.path());
+  const std::vector<std::string> user = {"ELASTRUN_EVENTS_FILE=/user/events.jsonl"};
+  EXPECT_EQ(as_map(worker_specs(a, user)[0].env)["ELASTRUN_EVENTS_FILE"], "/user/events.jsonl")
+      << "without an agent event log the user's variable is inherited";
+  a.events_file = "/agent/events-n2.jsonl";
+  EXPECT_EQ(as_map(worker_specs(a, user)[0].env)["ELASTRUN_EVENTS_FILE"], "/agent/events-n2.jsonl");
+}
+
 TEST(WorkerEnv, StaleErrorFileIsRemoved) {
   TempDir dir;
   AgentOptions o;
