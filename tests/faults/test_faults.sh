@@ -15,6 +15,8 @@
 #   node_loss     elastic.sbatch, 4 nodes x 2; kill-node n3 mid-run: n3 lost, a round of world 6
 #   shrink        elastic.sbatch, 4 nodes x 2; scontrol update NumNodes=3 mid-run: Slurm releases a
 #                 node and ends its step tasks, the survivors re-form with world 6
+#   spare         spares.sbatch, 4 nodes x 2 with 1 spare (3 train, world 6); kill-node of a training
+#                 node other than n1: the spare is admitted, the world stays 6, no restart counted
 #   time_limit    requeue.sbatch, 2 nodes x 2; scancel --signal=USR1 (what --signal=USR1@T sends):
 #                 checkpoint-and-stop, requeue (Restarts=1), the second run resumes and completes
 #   two_faults    elastic.sbatch, 4 nodes x 2; kill-node n3, then rank 1 exits 1 at step 30 in the
@@ -175,6 +177,22 @@ assert worlds[0] == 8 and worlds[-1] == 6, "expected world 8, then 6 after the s
 assert len({e["member"] for e in events if e["event"] == "member_lost"}) == 1, "expected one member lost"'
   scontrol show job "$shrunk" | grep -q "NumNodes=3" || fail "job $shrunk does not show NumNodes=3 after the shrink"
   ;;
+spare)
+  submit 4 spares.sbatch SPARES=1 -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150
+  wait_past_step 12
+  victim=$(cat "$out"/logs/events-*.jsonl | /usr/bin/python3 -c '
+import json, sys
+first = next(e for e in map(json.loads, sys.stdin) if e["event"] == "round")
+print(next(m for m in first["members"] if m != "n1"))')
+  echo "killing $victim, a training node other than n1"
+  "$TB" kill-node "$victim"
+  check_promise "
+assert worlds[0] == 6 and worlds[-1] == 6 and len(worlds) >= 2, 'expected world 6, then 6 again with the spare'
+assert {e['member'] for e in events if e['event'] == 'member_lost'} == {'$victim'}, 'expected $victim lost'
+members = [e['members'] for e in rounds]
+assert '$victim' not in members[-1] and len(members[-1]) == 3, f'the last round should be 3 nodes without $victim: {members[-1]}'
+assert not any(e['event'] == 'failure_decision' and e['action'] == 'restart' for e in events), 'a node loss counted as a restart'"
+  ;;
 time_limit)
   submit 2 requeue.sbatch CKPT="$out/ckpt" -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 100
   wait_past_step 12
@@ -249,6 +267,6 @@ assert sum(1 for e in events if e["event"] == "worker_exit" and e["signal"] == "
   [[ -z $left ]] || fail "partial or retired step directories left: $left"
   ;;
 *)
-  fail "unknown scenario '$scenario' (worker_crash node_loss shrink time_limit two_faults kill_during_save resize_requeue)"
+  fail "unknown scenario '$scenario' (worker_crash node_loss shrink spare time_limit two_faults kill_during_save resize_requeue)"
   ;;
 esac
