@@ -54,7 +54,8 @@ double round_time_ms(int members, bool detail = false) {
                          .max_nodes = members,
                          .join_timeout = 120s,
                          .last_call_timeout = 1s,
-                         .heartbeat_timeout = 30s};
+                         .heartbeat_timeout = 30s,
+                         .component_bounds = {}};
     auto kv = std::make_unique<StoreClient>("127.0.0.1", server.port(), AuthConfig{}, "bench");
     auto hb = std::make_unique<StoreClient>("127.0.0.1", server.port(), AuthConfig{}, "bench");
     rdzv.push_back(std::make_unique<Rendezvous>(std::move(kv), std::move(hb), cfg, me));

@@ -77,9 +77,15 @@ int Agent::run() {
   }
   if (group_) stop_workers(o_.stop_grace);  // every state stops its workers before Exit; never orphan
   events_.emit("exit", {{"code", rc_}});
+  const auto& last = rdzv_->current();
+  const bool led_last_round = last.group_world_size > 0 && last.group_rank == 0;
+  std::vector<std::string> last_members;
+  if (led_last_round)
+    for (const auto& m : last.members()) last_members.push_back(m.node_name);
   linger_for_peers();
   // the signal thread may be requeueing (it exits the process when done): not under our feet
   std::lock_guard requeue_done(requeue_mutex_);
+  if (led_last_round) end_job_if_batch_script_lost(last_members);
   return rc_;
 }
 
@@ -101,6 +107,7 @@ State Agent::rendezvous() {
     const auto& r = *round;
     const auto formation_ms = std::chrono::duration_cast<Millis>(Clock::now() - t0).count();
     restart_count_ = rdzv_->add_to_counter("restarts", 0);
+    for (const auto& m : r.members()) ever_members_.insert(m.node_name);
     if (events_.enabled()) {
       nlohmann::json members = nlohmann::json::array();
       for (const auto& m : r.members()) members.push_back(m.node_name);
@@ -412,6 +419,10 @@ Change Agent::wait_for_change(Millis timeout) {
     nlohmann::json fields = {{"member", loss.node_name}, {"how", loss.how}};
     if (loss.since_heartbeat_ms) fields["since_heartbeat_ms"] = *loss.since_heartbeat_ms;
     events_.emit("member_lost", fields);
+  } else if (change == Change::StoreLost) {
+    // the store's host (often group rank 0's node) is gone: its member keys went with it
+    const auto& node = rdzv_->store_node().empty() ? plan_.store_host : rdzv_->store_node();
+    events_.emit("store_lost", {{"store_node", node}});
   }
   return change;
 }

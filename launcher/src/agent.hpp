@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -109,6 +110,8 @@ class Agent {
   bool request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal);
   void requeue_failed_job();
   void requeue_after_node_loss();
+  void end_job_if_batch_script_lost(
+      const std::vector<std::string>& last_round_members);  // group rank 0's last act (agent_stop.cpp)
 
   const AgentOptions& o_;
   const rdzv::DetectedEnv& env_;
@@ -118,6 +121,7 @@ class Agent {
   rdzv::AgentStores stores_;
   std::unique_ptr<rdzv::Rendezvous> rdzv_;
   int min_nodes_ = 1, max_nodes_ = 1;
+  std::vector<rdzv::NodeBounds> component_bounds_;  // --het-nnodes
   std::string command_path_;
   std::vector<std::string> command_argv_;
   std::optional<TempDir> tmp_;
@@ -141,6 +145,7 @@ class Agent {
   // requeue: once per agent, from the main thread or the signal thread (request_requeue)
   std::mutex requeue_mutex_;
   bool requeue_attempted_ = false, requeued_ = false;
+  std::set<std::string> ever_members_;  // nodes of every round so far (end_job_if_batch_script_lost)
 };
 
 }  // namespace elastrun::launcher

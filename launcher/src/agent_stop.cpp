@@ -3,6 +3,7 @@
 // agents agree on who requeues the job. docs/launcher.md, "Signals, checkpoint and requeue".
 #include <signal.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <thread>
 
@@ -345,6 +346,54 @@ void Agent::requeue_after_node_loss() {
   }
   signals_.set_checkpoint_stopping(true);
   request_requeue(FailureClass::Node, lost, 0);
+}
+
+// Group rank 0 of the last round, as the agent's very last act: when the node running the batch
+// script dies, a --no-kill job goes on running on its other nodes (slurmctld excises the node
+// but keeps the job), and the training may well finish there. Nothing is then left to end the
+// job: it would hold its nodes, RUNNING, until the time limit. End it with the agents' verdict,
+// as the batch script's exit would have (slurm_complete_job; verified on Slurm 22.05: the job
+// ends COMPLETED, or FAILED for a non-zero code, and its remaining steps with it).
+// slurmctld excises a dead node only after SlurmdTimeout: when the batch host's agent was lost
+// during the run (a member of an earlier round, not of the last) and the node is still in the job, wait (bounded) for
+// slurmctld's ruling.
+void Agent::end_job_if_batch_script_lost(const std::vector<std::string>& last_round_members) {
+  if (!env_.slurm || env_.slurm->job_id.empty() || requeued_) return;
+  const auto& job_id = env_.slurm->job_id;
+  auto job = load_slurm_job(job_id);
+  if (!job || job->batch_host.empty() || job->cancelled) return;
+  if (!job->batch_host_left) {
+    // lost = a member of an earlier round missing from the last (however its loss was seen)
+    const auto& last = last_round_members;
+    if (!ever_members_.contains(job->batch_host) || std::find(last.begin(), last.end(), job->batch_host) != last.end())
+      return;
+    const auto patience = slurmd_timeout().value_or(std::chrono::seconds(300)) * 3 / 2 + std::chrono::seconds(10);
+    spdlog::info(
+        "the agent on {}, the node running job {}'s batch script, was lost: waiting up to {} s for Slurm to rule on "
+        "the node (1.5 x SlurmdTimeout + 10 s)",
+        job->batch_host, job_id, patience.count());
+    const auto deadline = Clock::now() + patience;
+    while (job && !job->batch_host_left && !job->cancelled && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      if (auto again = load_slurm_job(job_id)) job = again;
+    }
+    if (!job || job->cancelled) return;
+    if (!job->batch_host_left) {
+      spdlog::info("{} is still part of job {}: its batch script is taken to be alive", job->batch_host, job_id);
+      return;
+    }
+  }
+  spdlog::warn(
+      "the batch script of job {} died with its node {}; the training ended here with exit code {}: ending the job "
+      "with that code",
+      job_id, job->batch_host, rc_);
+  const auto r = complete_slurm_job(job_id, rc_);
+  events_.emit("job_completed",
+               {{"batch_host", job->batch_host}, {"exit_code", rc_}, {"ok", r.ok}, {"error", r.error}});
+  if (!r.ok)
+    spdlog::error("error: slurm_complete_job({}): {}; the job stays until its time limit (scancel it)", job_id,
+                  r.error);
+  spdlog::default_logger()->flush();
 }
 
 }  // namespace elastrun::launcher

@@ -82,6 +82,24 @@ void parse_nnodes(const std::string& text, AgentOptions& o) {
   o.max_nodes = static_cast<int>(*hi);
 }
 
+// --het-nnodes=N|MIN:MAX,N|MIN:MAX,...: one entry per het component, each as --nnodes.
+std::vector<std::pair<int, int>> parse_het_nnodes(const std::string& text) {
+  std::vector<std::pair<int, int>> bounds;
+  for (auto item : util::split_list(text)) {
+    AgentOptions one;
+    try {
+      parse_nnodes(std::string(item), one);
+    } catch (const UsageError&) {
+      throw UsageError(fmt::format(
+          "--het-nnodes='{}': '{}' is not N or MIN:MAX; give one per het component, e.g. 1:1,2:3", text, item));
+    }
+    bounds.emplace_back(*one.min_nodes, *one.max_nodes);
+  }
+  if (bounds.empty())
+    throw UsageError(fmt::format("--het-nnodes='{}' is empty; give MIN:MAX per het component, e.g. 1:1,2:3", text));
+  return bounds;
+}
+
 bool parse_bool(const std::string& flag, const std::string& value) {
   if (auto b = util::parse_boolean(value)) return *b;
   throw UsageError(fmt::format("{}='{}' must be true or false (also 1/0, yes/no, on/off)", flag, value));
@@ -214,9 +232,12 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
       "$ELASTRUN_CONTROL_FILE. See docs/launcher.md.");
 
   std::string rdzv_backend = "c10d", requeue_budget, checkpoint_timeout = "300", scale_up_checkpoint = "true";
+  std::string het_nnodes;
   std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300", redirects = "0",
                       tee = "0", ranks_filter, node_rank, master_port;
   app.add_option("--nnodes", nnodes, "N or MIN:MAX nodes (default: the Slurm step's node count, else 1)");
+  app.add_option("--het-nnodes,--het_nnodes", het_nnodes,
+                 "heterogeneous job: N or MIN:MAX nodes per component, in component order (e.g. 1:1,2:3)");
   app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers per node: N, auto, cpu or gpu (default 1)");
   app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend,
                  "c10d|static (embedded store, default) or etcd|etcd-v2 (external etcd v3)");
@@ -297,6 +318,12 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   o.program_args.assign(rest.begin() + 1, rest.end());
 
   if (!nnodes.empty()) parse_nnodes(nnodes, o);
+  if (!het_nnodes.empty()) {
+    if (!nnodes.empty())
+      throw UsageError(
+          "--nnodes and --het-nnodes contradict each other (with --het-nnodes the job's bounds are the sums)");
+    o.het_nnodes = parse_het_nnodes(het_nnodes);
+  }
   o.nproc_per_node = parse_nproc(nproc);
   if (!rdzv_conf.empty()) parse_rdzv_conf(rdzv_conf, o);
   o.monitor_interval = std::max(Millis(10), seconds_option("--monitor-interval", monitor));
@@ -345,6 +372,7 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
     if (!o.rdzv_endpoint.empty())
       throw UsageError("--standalone and --rdzv-endpoint contradict each other (standalone hosts its own store)");
     if (uses_etcd(o.rdzv_backend)) throw UsageError("--standalone and --rdzv-backend=etcd contradict each other");
+    if (!o.het_nnodes.empty()) throw UsageError("--standalone and --het-nnodes contradict each other (one node)");
     if (o.max_nodes && *o.max_nodes > 1)
       throw UsageError(
           fmt::format("--standalone runs one node but --nnodes={}:{} asks for more", *o.min_nodes, *o.max_nodes));

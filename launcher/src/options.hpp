@@ -49,6 +49,8 @@ inline constexpr std::int64_t kUnlimited = -1;
 struct AgentOptions {
   // --nnodes (nullopt: the Slurm step's node count, or 1)
   std::optional<int> min_nodes, max_nodes;
+  // --het-nnodes=MIN:MAX,...: node bounds per het component, in component order (empty: none)
+  std::vector<std::pair<int, int>> het_nnodes;
   int nproc_per_node = 1;
   RdzvBackend rdzv_backend = RdzvBackend::C10d;
   std::string rdzv_endpoint;

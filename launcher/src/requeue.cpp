@@ -4,6 +4,7 @@
 #include <slurm/slurm_errno.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -15,6 +16,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+
+#include "elastrun/rdzv/hostlist.hpp"
 
 namespace elastrun::launcher {
 namespace {
@@ -54,6 +57,12 @@ std::optional<SlurmJobView> load_slurm_job(const std::string& job_id) {
   view.timed_out = base == JOB_TIMEOUT;
   view.preempted = base == JOB_PREEMPTED || job.preempt_time != 0;
   view.restart_count = job.restart_cnt;
+  if (job.batch_flag && job.batch_host && *job.batch_host) {
+    view.batch_host = job.batch_host;
+    // a node that failed is excised from the job's node list, but BatchHost stays
+    const auto nodes = rdzv::expand_hostlist(job.nodes ? job.nodes : "");
+    view.batch_host_left = nodes && std::find(nodes->begin(), nodes->end(), view.batch_host) == nodes->end();
+  }
   return view;
 }
 
@@ -63,6 +72,25 @@ CallResult requeue_slurm_job(const std::string& job_id) {
   slurm_init_once();
   if (slurm_requeue(*id, 0) != SLURM_SUCCESS) return CallResult::failed(last_slurm_error());
   return {};
+}
+
+CallResult complete_slurm_job(const std::string& job_id, int exit_code) {
+  auto id = numeric_job_id(job_id);
+  if (!id) return CallResult::failed(fmt::format("'{}' is not a numeric job id", job_id));
+  slurm_init_once();
+  // a wait()-style status, as salloc passes its command's
+  if (slurm_complete_job(*id, static_cast<std::uint32_t>(exit_code & 0xff) << 8) != SLURM_SUCCESS)
+    return CallResult::failed(last_slurm_error());
+  return {};
+}
+
+std::optional<std::chrono::seconds> slurmd_timeout() {
+  slurm_init_once();
+  slurm_conf_t* conf = nullptr;
+  if (slurm_load_ctl_conf(0, &conf) != SLURM_SUCCESS || !conf) return std::nullopt;
+  const std::chrono::seconds timeout(conf->slurmd_timeout);
+  slurm_free_ctl_conf(conf);
+  return timeout;
 }
 
 CallResult exclude_nodes_from_job(const std::string& job_id, const std::vector<std::string>& nodes) {

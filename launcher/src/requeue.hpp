@@ -3,6 +3,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -19,6 +20,10 @@ struct SlurmJobView {
   bool preempted = false;  // preempt_time set: the SIGTERM is preemption's
   bool timed_out = false;  // state TIMEOUT: the time limit was reached
   int restart_count = 0;   // restart_cnt
+  // A batch job whose batch host has left the job (a --no-kill job keeps running on its other
+  // nodes when the node running the batch script dies: nothing is left to end the job).
+  bool batch_host_left = false;
+  std::string batch_host;
 };
 std::optional<SlurmJobView> load_slurm_job(const std::string& job_id);
 
@@ -31,6 +36,14 @@ struct CallResult {
 
 // slurm_requeue(job, 0).
 CallResult requeue_slurm_job(const std::string& job_id);
+
+// slurm_complete_job(job, exit_code << 8): ends the job now with that exit code (COMPLETED for 0,
+// FAILED otherwise) and its remaining steps with it, as the end of the batch script would.
+CallResult complete_slurm_job(const std::string& job_id, int exit_code);
+
+// slurm.conf's SlurmdTimeout as slurmctld has it (how long a silent node takes to be declared
+// DOWN), std::nullopt when slurmctld cannot be asked.
+std::optional<std::chrono::seconds> slurmd_timeout();
 
 // ExcNodes=<nodes> on the (requeued, pending) job. Retries for a few seconds: slurmctld accepts
 // it only once the requeued job is pending.

@@ -86,10 +86,16 @@ void for_each_line(std::string_view text, F&& f) {
   }
 }
 
-// The start of `me`'s roster line: its identity (component, node index, node name). Comparing
-// line prefixes finds a member without parsing every line's numbers.
+// The start of `me`'s roster line: (component, node index, node name). Comparing line prefixes
+// skips most members without parsing their numbers; the pid (field 6) completes the identity.
 std::string identity_prefix(const MemberInfo& me) {
   return fmt::format("{}\t{}\t{}\t", me.het_component, me.node_index, me.node_name);
+}
+
+// The het component at the front of a member key ("0001.0000002.n3.…"), -1 if unreadable.
+int component_of_key(std::string_view member_key) {
+  auto dot = member_key.find('.');
+  return static_cast<int>(to_i64(member_key.substr(0, dot)).value_or(-1));
 }
 
 }  // namespace
@@ -108,7 +114,7 @@ std::string_view to_string(Change change) {
 }
 
 std::string MemberInfo::sort_key() const {
-  return fmt::format("{:04d}.{:07d}.{}", het_component, node_index, node_name);
+  return fmt::format("{:04d}.{:07d}.{}.{:010d}", het_component, node_index, node_name, pid);
 }
 
 RendezvousClosed::RendezvousClosed(const std::string& run_id, std::string reason)
@@ -126,6 +132,14 @@ Rendezvous::Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend>
   if (config_.min_nodes < 1 || config_.max_nodes < config_.min_nodes)
     throw RendezvousError(fmt::format("--nnodes={}:{} is not a valid MIN:MAX (need 1 <= MIN <= MAX)", config_.min_nodes,
                                       config_.max_nodes));
+  for (const auto& b : config_.component_bounds)
+    if (b.min < 1 || b.max < b.min)
+      throw RendezvousError(
+          fmt::format("--het-nnodes: {}:{} is not a valid MIN:MAX (need 1 <= MIN <= MAX)", b.min, b.max));
+  if (!config_.component_bounds.empty() &&
+      (me_.het_component < 0 || me_.het_component >= static_cast<int>(config_.component_bounds.size())))
+    throw RendezvousError(fmt::format("--het-nnodes gives bounds for {} component(s) but this agent is in component {}",
+                                      config_.component_bounds.size(), me_.het_component));
   ensure_alive();
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
 }
@@ -314,11 +328,27 @@ bool Rendezvous::try_close(std::uint64_t gen) {
   }
   std::string roster;
   int taken = 0;
+  const auto& bounds = config_.component_bounds;
+  std::vector<int> per_component(bounds.size(), 0);
   for (const auto& kv : joins) {
-    if (taken++ == config_.max_nodes) break;
+    if (taken == config_.max_nodes) break;
+    if (!bounds.empty()) {
+      // join keys sort by component first (MemberInfo::sort_key), so each component's first
+      // MAX joiners are taken and the others wait as its spares
+      const int c = component_of_key(std::string_view(kv.key).substr(round.size() + 5));
+      if (c < 0 || c >= static_cast<int>(bounds.size()) || per_component[c] == bounds[c].max) continue;
+      ++per_component[c];
+    }
+    ++taken;
     if (!roster.empty()) roster += '\n';
     roster += kv.value;
   }
+  for (std::size_t c = 0; c < bounds.size(); ++c)
+    if (per_component[c] < bounds[c].min) {
+      // a component below its MIN: no round yet (the job-wide count may well be enough)
+      kv_->remove(round + "ctl/last_call");
+      return false;
+    }
   kv_->compare_and_set(round + "ctl/roster", std::nullopt, roster);
   return true;  // closed by us or by someone else
 }
@@ -351,6 +381,7 @@ std::optional<RoundResult> Rendezvous::finish_round(std::uint64_t gen, std::stri
   // the whole roster, so this is O(N) per member and O(N^2) for a simulated job.
   const std::string_view my_role = me_.role == "default" ? std::string_view() : std::string_view(me_.role);
   const std::string me = identity_prefix(me_);
+  const std::string my_pid = std::to_string(me_.pid);
   bool found = false;
   for_each_line(roster, [&](std::string_view line) {
     auto f = split_member(line);
@@ -359,7 +390,7 @@ std::optional<RoundResult> Rendezvous::finish_round(std::uint64_t gen, std::stri
       r.master_addr = std::string(f[3]);
       r.master_port = static_cast<std::uint16_t>(to_i64(f[7]).value_or(0));
     }
-    if (!found && line.starts_with(me)) {
+    if (!found && line.starts_with(me) && f[6] == my_pid) {
       found = true;
       r.group_rank = r.group_world_size;
       r.rank_offset = r.world_size;
@@ -410,6 +441,7 @@ void Rendezvous::fail_over() {
           fenced_ = false;
           store_lost_ = false;
         }
+        store_node_ = m.node_name;
         kv_->compare_and_set(prefix_ + "gen", std::nullopt, std::to_string(round_.generation + 1));
         spdlog::warn("[rdzv] failed over to the standby store of {} ({}:{})", m.node_name, m.address, m.store_port);
         return;
@@ -472,10 +504,20 @@ Change Rendezvous::wait_for_change(Millis timeout) {
             return Change::MemberLost;
           }
       }
-      if (key.starts_with("waiting/") && e.type == WatchEvent::Type::Put && round_.group_world_size < config_.max_nodes)
+      if (key.starts_with("waiting/") && e.type == WatchEvent::Type::Put &&
+          round_.group_world_size < config_.max_nodes && component_has_room(component_of_key(key.substr(8))))
         return Change::MemberWaiting;
     }
   }
+}
+
+bool Rendezvous::component_has_room(int component) const {
+  const auto& bounds = config_.component_bounds;
+  if (bounds.empty()) return true;
+  if (component < 0 || component >= static_cast<int>(bounds.size())) return false;
+  int members = 0;
+  for (const auto& m : round_.members()) members += m.het_component == component;
+  return members < bounds[component].max;
 }
 
 void Rendezvous::request_new_round() { advance_generation(round_.generation); }

@@ -21,10 +21,18 @@
 #                 checkpoint-and-stop, requeue (Restarts=1), the second run resumes and completes
 #   two_faults    elastic.sbatch, 4 nodes x 2; kill-node n3, then rank 1 exits 1 at step 30 in the
 #                 world of 6: a round of 6, one restart, another round of 6
-#   resize_requeue  requeue.sbatch, 4 nodes x 1 worker: kill-node n3 (world 4 -> 3), then n4 drained
-#                 and scancel --signal=USR1: checkpoint, requeue; the pending job is lowered to the 2
-#                 nodes left (scontrol update NumNodes=2 NumTasks=2, as an operator would) and the second run
-#                 resumes at world 2 and completes
+#   first_node    requeue.sbatch (--nodes=2-4), 4 nodes x 2; kill-node n1, the node running the batch
+#                 script, the store and group rank 0. The job survives in place: --no-kill keeps it
+#                 on the other nodes, the survivors fail over to a standby store and re-form at
+#                 world 6, and since the batch script died with n1, the new group rank 0 ends the
+#                 job itself once slurmctld has excised n1 (event job_completed); no requeue
+#   resize_requeue  requeue.sbatch (--nodes=2-4), 4 nodes x 1 worker: kill-node n3 (world 4 -> 3),
+#                 then n4 drained and scancel --signal=USR1: checkpoint, requeue; the second run
+#                 starts on the 2 nodes left (the node range) and resumes at world 2
+#   het           het.sbatch, component 0: 1 node x 1 worker, component 1: 3 nodes x 2 (world 7,
+#                 --het-nnodes=1:1,2:3); kill-node n3 of component 1, then rank 1 exits 1 at step 30:
+#                 component 1 shrinks (world 5, members n1 n2 n4, component 0 first and still 1
+#                 worker), one restart, another round of 5
 #   kill_during_save  elastic.sbatch, 2 nodes x 2; the async save of step 20 is parked inside its
 #                 commit (ELASTRUN_TRAIN_PARK_SAVE_AT_STEP, a test switch of train) and every worker
 #                 is SIGKILLed there: one restart, resumed from step 15, no partial step left
@@ -49,8 +57,8 @@ train_args=(--steps 40 --ckpt-every 5 --seed 11 --global-batch 240)
 
 # ---- helpers ------------------------------------------------------------------------------------
 
-# submit NODES SCRIPT [VAR=VALUE...] -- ARGS...: submits an sbatch/ script on NODES nodes, 2
-# workers per node, running train; sets job.
+# submit NODES SCRIPT [VAR=VALUE...] -- ARGS...: submits an sbatch/ script on NODES nodes (a count
+# or a MIN-MAX range), 2 workers per node, running train; sets job.
 submit() {
   local nodes=$1 script=$2
   shift 2
@@ -63,7 +71,8 @@ submit() {
   echo "job $job: $script on $nodes nodes"
 }
 
-job_state() { scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
+# (a het job shows one record per component: they must agree)
+job_state() { scontrol show job "$job" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2 | sort -u | paste -sd,; }
 job_ended() { [[ $(job_state) == @(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE) ]]; }
 
 # the newest step rank 0 reported (0 before the first)
@@ -126,7 +135,7 @@ PY
   job_processes() {
     local p
     for p in /proc/[0-9]*; do
-      tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qx "SLURM_JOB_ID=$job" && echo "${p#/proc/}"
+      tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qxE "SLURM_(HET_)?JOB_ID=$job" && echo "${p#/proc/}"
     done
     return 0
   }
@@ -217,8 +226,23 @@ assert {e["member"] for e in events if e["event"] == "member_lost"} == {"n3"}, "
 decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
 assert decisions.count("restart") == 1, f"expected one counted restart after the re-form, got {decisions}"'
   ;;
+first_node)
+  submit 2-4 requeue.sbatch CKPT="$out/ckpt" -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
+  wait_past_step 12
+  [[ $(scontrol show job "$job" | grep -o ' BatchHost=[^ ]*') == " BatchHost=n1" ]] || fail "the batch script does not run on n1"
+  "$TB" kill-node n1
+  survived=$job
+  check_promise '
+assert worlds[0] == 8 and worlds[-1] == 6, "expected world 8, then 6 without n1"
+assert "n1" not in rounds[-1]["members"], "n1 is in the last round"
+assert [e["store_node"] for e in events if e["event"] == "store_lost"][:1] == ["n1"], "expected the store on n1 lost"
+assert len({e["run_id"] for e in rounds}) == 1, "expected one run (no requeue)"
+ended = [e for e in events if e["event"] == "job_completed"]
+assert len(ended) == 1 and ended[0]["ok"] and ended[0]["exit_code"] == 0 and ended[0]["batch_host"] == "n1", f"expected the new group rank 0 to end the job: {ended}"'
+  scontrol show job "$survived" | grep -q "Restarts=0" || fail "job $survived was requeued"
+  ;;
 resize_requeue)
-  submit 4 requeue.sbatch CKPT="$out/ckpt" NPROC=1 -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
+  submit 2-4 requeue.sbatch CKPT="$out/ckpt" NPROC=1 -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
   wait_past_step 8
   "$TB" kill-node n3
   world3() {
@@ -231,17 +255,32 @@ sys.exit(0 if any(e["event"] == "round" and e["world_size"] == 3 for e in map(js
   scontrol update NodeName=n4 State=DRAIN Reason=faults-resize_requeue
   scancel --signal=USR1 "$job"
   requeued=$job
-  pending() { [[ $(job_state) == PENDING ]]; }
-  wait_for -i 0.2 120 pending || fail "job $job was not requeued (state $(job_state))"
-  scontrol update JobId="$job" NumNodes=2 NumTasks=2 >"$out/scontrol.txt" 2>&1 || fail "scontrol update NumNodes=2: $(cat "$out/scontrol.txt")"
   on_failure 'scontrol show job "$requeued" >&2; sinfo >&2'
   check_promise '
-assert worlds == [4, 3, 2], "expected world 4, then 3 (node lost), then 2 (requeued onto 2 nodes)"
+assert worlds == [4, 3, 2], "expected world 4, then 3 (node lost), then 2 (requeued onto the 2 nodes left)"
 requeues = [e for e in events if e["event"] == "requeue"]
 assert len(requeues) == 1 and requeues[0]["requeued"] and requeues[0]["class"] == "timelimit", f"expected one timelimit requeue, got {requeues}"
 assert len([e for e in events if e["event"] == "resumed"]) == 2, "expected two resumes (after the loss, after the requeue)"'
   grep -h "max |Δ|" "$out/diff.txt"
   scontrol show job "$requeued" | grep -q "Restarts=1" || fail "job $requeued was not requeued exactly once"
+  ;;
+het)
+  # 1 node x 1 worker + 3 nodes x 2 (world 7); sbatch's `:` gives each component its node count
+  job=$(env TMPDIR="$out/tmp" ELASTRUN="$bin/elastrun" NPROC0=1 NPROC1=2 MIN_NODES1=2 \
+    sbatch --parsable --nodes=1 --chdir="$out" --output="$out/job.out" : --nodes=3 "$job_scripts/het.sbatch" \
+    "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150 --fail-at-step 30:1)
+  job=${job%%;*}
+  echo "job $job: het.sbatch on 1 + 3 nodes"
+  wait_past_step 12
+  "$TB" kill-node n3
+  check_promise '
+assert worlds[0] == 7 and worlds[-2:] == [5, 5], "expected world 7 (1x1 + 3x2), then 5 without n3, then 5 again after the restart"
+assert {e["member"] for e in events if e["event"] == "member_lost"} == {"n3"}, "expected n3 lost"
+assert rounds[0]["members"] == ["n1", "n2", "n3", "n4"], f"ranks not in component order: {rounds[0][\"members\"]}"
+assert rounds[-1]["members"] == ["n1", "n2", "n4"], f"component 1 should have shrunk to n2, n4: {rounds[-1][\"members\"]}"
+decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
+assert decisions.count("restart") == 1, f"expected one counted restart after the re-form, got {decisions}"
+assert any(e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] == 1 for e in events), "no exit 1 of rank 1"'
   ;;
 kill_during_save)
   submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 100
@@ -267,6 +306,6 @@ assert sum(1 for e in events if e["event"] == "worker_exit" and e["signal"] == "
   [[ -z $left ]] || fail "partial or retired step directories left: $left"
   ;;
 *)
-  fail "unknown scenario '$scenario' (worker_crash node_loss shrink spare time_limit two_faults kill_during_save resize_requeue)"
+  fail "unknown scenario '$scenario' (worker_crash node_loss first_node shrink spare time_limit two_faults kill_during_save resize_requeue het)"
   ;;
 esac

@@ -82,7 +82,8 @@ class Backend : public testing::TestWithParam<std::string> {
                          .max_nodes = max,
                          .join_timeout = join_timeout,
                          .last_call_timeout = last_call,
-                         .heartbeat_timeout = 2s};
+                         .heartbeat_timeout = 2s,
+                         .component_bounds = {}};
     return std::make_unique<Rendezvous>(client(), client(), cfg, me);
   }
 

@@ -45,7 +45,27 @@ struct Cluster {
                          .max_nodes = max,
                          .join_timeout = join_timeout,
                          .last_call_timeout = last_call,
-                         .heartbeat_timeout = 2s};
+                         .heartbeat_timeout = 2s,
+                         .component_bounds = {}};
+    return std::make_unique<Rendezvous>(client(), client(), cfg, me);
+  }
+  // A member of het component `component` of a job with per-component bounds (--het-nnodes).
+  std::unique_ptr<Rendezvous> het_member(const std::string& name, int component, int index,
+                                         std::vector<NodeBounds> bounds, Millis join_timeout = 20s) {
+    MemberInfo me;
+    me.node_name = name;
+    me.address = "127.0.0.1";
+    me.het_component = component;
+    me.node_index = index;
+    int min = 0, max = 0;
+    for (auto b : bounds) min += b.min, max += b.max;
+    RendezvousConfig cfg{.run_id = "rt",
+                         .min_nodes = min,
+                         .max_nodes = max,
+                         .join_timeout = join_timeout,
+                         .last_call_timeout = 300ms,
+                         .heartbeat_timeout = 2s,
+                         .component_bounds = std::move(bounds)};
     return std::make_unique<Rendezvous>(client(), client(), cfg, me);
   }
 };
@@ -153,6 +173,50 @@ TEST(Rendezvous, BarrierWaitsForAllMembers) {
   EXPECT_FALSE(a->barrier("exit", 200ms)) << "b has not arrived";
   auto fb = std::async(std::launch::async, [&] { return b->barrier("exit", 20s); });
   EXPECT_TRUE(fb.get());
+}
+
+TEST(Rendezvous, HetRoundWaitsForEveryComponentsMinimum) {
+  Cluster c;
+  // Bounds 1:1 and 1:2 make the job-wide minimum 2: two nodes of component 1 reach it, but
+  // component 0 has none, so no round may form.
+  auto b = c.het_member("b", 1, 0, {{1, 1}, {1, 2}}, 1500ms);
+  auto d = c.het_member("d", 1, 1, {{1, 1}, {1, 2}}, 1500ms);
+  auto fb = std::async(std::launch::async, [&] { return b->next_round(); });
+  EXPECT_THROW(d->next_round(), RendezvousError);
+  EXPECT_THROW(fb.get(), RendezvousError);
+}
+
+TEST(Rendezvous, HetRoundTakesAtMostEachComponentsMaximumAndTheRestWaitAsItsSpares) {
+  Cluster c;
+  const std::vector<NodeBounds> bounds{{1, 1}, {1, 2}};
+  auto a = c.het_member("a", 0, 0, bounds);
+  auto b = c.het_member("b", 1, 0, bounds);
+  auto d = c.het_member("d", 1, 1, bounds);
+  auto e = c.het_member("e", 1, 2, bounds);  // one more than component 1's maximum
+  // Component 1 joins first: its three nodes reach the job-wide maximum of 3, yet the round
+  // must not close without component 0, and then must take only two of them.
+  auto fb = std::async(std::launch::async, [&] { return b->next_round(); });
+  auto fd = std::async(std::launch::async, [&] { return d->next_round(); });
+  auto fe = std::async(std::launch::async, [&] { return e->next_round(); });
+  std::this_thread::sleep_for(500ms);
+  auto ra = a->next_round();
+  auto rb = fb.get();
+  auto rd = fd.get();
+  EXPECT_EQ(ra.group_world_size, 3);
+  EXPECT_EQ(ra.group_rank, 0) << "component 0 comes first";
+  EXPECT_EQ(rb.group_rank, 1);
+  EXPECT_EQ(rd.group_rank, 2);
+  EXPECT_EQ(fe.wait_for(300ms), std::future_status::timeout) << "e waits as component 1's spare";
+  // A full component's spare is no reason to re-form.
+  EXPECT_EQ(a->wait_for_change(1s), Change::None);
+  a->close("done");
+  EXPECT_THROW(fe.get(), RendezvousClosed);
+}
+
+TEST(Rendezvous, HetBoundsAreValidated) {
+  Cluster c;
+  EXPECT_THROW(c.het_member("a", 0, 0, {{2, 1}}), RendezvousError);
+  EXPECT_THROW(c.het_member("a", 2, 0, {{1, 1}, {1, 1}}), RendezvousError) << "component out of range";
 }
 
 TEST(Rendezvous, InvalidMinMaxIsRefused) {

@@ -159,6 +159,11 @@ TEST(Options, BadValuesAreOneLineErrorsNamingTheFlag) {
       {{"--requeue-budget=disk:1", "p"}, "unknown class 'disk'"},
       {{"--requeue-budget=app:-2", "p"}, "is not a count"},
       {{"-r", "4", "p"}, "--redirects='4'"},
+      {{"--het-nnodes=1:1,x", "p"}, "'x' is not N or MIN:MAX"},
+      {{"--het-nnodes=2:1", "p"}, "'2:1' is not N or MIN:MAX"},
+      {{"--het-nnodes=,", "p"}, "--het-nnodes=','"},
+      {{"--het-nnodes=1,2", "--nnodes=3", "p"}, "contradict"},
+      {{"--het-nnodes=1,2", "--standalone", "p"}, "contradict"},
       {{"--no-such-flag", "p"}, "no-such-flag"},
   };
   for (const auto& [args, want] : cases) {
@@ -166,6 +171,14 @@ TEST(Options, BadValuesAreOneLineErrorsNamingTheFlag) {
     EXPECT_NE(error.find(want), std::string::npos) << "error '" << error << "' lacks '" << want << "'";
   }
   EXPECT_NE(refusal({"p"}, {{"nnodes", "x"}}).find("--nnodes='x'"), std::string::npos);
+}
+
+TEST(Options, HetNnodesPerComponent) {
+  for (const char* flag : {"--het-nnodes=1,2:3", "--het_nnodes=1,2:3"}) {
+    auto o = parse({flag, "p"});
+    EXPECT_EQ(o.het_nnodes, (std::vector<std::pair<int, int>>{{1, 1}, {2, 3}}));
+    EXPECT_FALSE(o.min_nodes) << "the job-wide bounds are the sums, computed at bootstrap";
+  }
 }
 
 TEST(Options, StreamSpecs) {

@@ -35,6 +35,12 @@ class RendezvousClosed : public RendezvousError {
   std::string reason_;
 };
 
+// MIN:MAX nodes of one component of a heterogeneous job.
+struct NodeBounds {
+  int min = 1;
+  int max = 1;
+};
+
 struct RendezvousConfig {
   std::string run_id;
   int min_nodes = 1;
@@ -42,10 +48,18 @@ struct RendezvousConfig {
   Millis join_timeout{600'000};    // until `min_nodes` have joined
   Millis last_call_timeout{1000};  // after `min_nodes` joined, wait this long for more
   Millis heartbeat_timeout{3000};  // a member silent this long is declared dead
+  // Heterogeneous jobs (--het-nnodes): bounds per het component, indexed by component. A round
+  // then closes only with at least MIN members of every component, takes at most MAX of each
+  // (the rest wait as that component's spares), and a waiting member triggers a scale-up only
+  // when its own component has room. Empty: only the job-wide min_nodes/max_nodes apply.
+  std::vector<NodeBounds> component_bounds;
 };
 
-// One agent as the others see it. Order in a round: (het component, node index, node name),
-// never host name sort, so group ranks follow SLURM_NODEID and survivors keep their order.
+// One agent as the others see it. Order in a round: (het component, node index, node name, pid),
+// never host name sort, so group ranks follow SLURM_NODEID and survivors keep their order. The
+// pid makes the identity one per agent process, not one per host: two agents on one node (two
+// tasks per node after a requeue, or torchrun-style agents on one box without --node-rank) are
+// two members, never one world formed twice with the same ranks.
 struct MemberInfo {
   std::string node_name;  // e.g. SLURMD_NODENAME
   std::string address;    // how peers reach this node (IP or resolvable name)
@@ -53,7 +67,7 @@ struct MemberInfo {
   int node_index = 0;  // index in the job's node list
   int nproc = 1;       // workers on this node
   std::string role = "default";
-  std::int64_t pid = 0;
+  std::int64_t pid = 0;           // the agent's; part of the identity
   std::uint16_t master_port = 0;  // reserved at join; group rank 0's becomes MASTER_PORT
   std::uint16_t store_port = 0;   // this agent's standby store (0: none), for failover
 
@@ -141,6 +155,8 @@ class Rendezvous {
   const RoundResult& current() const { return round_; }
   // The member behind the last Change::MemberLost, if any.
   const std::optional<MemberLoss>& last_loss() const { return last_loss_; }
+  // The node whose standby store we failed over to, "" while on the first store.
+  const std::string& store_node() const { return store_node_; }
 
  private:
   std::uint64_t current_generation();
@@ -153,6 +169,7 @@ class Rendezvous {
   void wait_as_late_joiner(std::uint64_t gen);
   void heartbeat_loop();
   void fail_over();
+  bool component_has_room(int component) const;  // for a waiting member (component_bounds)
 
   std::unique_ptr<KvBackend> kv_;
   std::unique_ptr<KvBackend> heartbeat_kv_;
@@ -173,6 +190,7 @@ class Rendezvous {
   std::vector<MemberInfo> standbys_;  // wait list: the running round's members, for failover
   std::uint64_t watch_revision_ = 0;
   std::optional<MemberLoss> last_loss_;
+  std::string store_node_;
 
  public:
   // Small job-wide records (failure reports, stop requests), under "<prefix>pub/". They live as
