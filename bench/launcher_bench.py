@@ -238,7 +238,7 @@ exit 0
         common = ["--nnodes", "1:2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
                   f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id", f"bench{port}", "--max_restarts", "3"]
         host_extra = ["--rdzv_conf", "is_host=1", "--node_rank", "0"] if which == "elastrun" else []
-        peer_extra = ["--node_rank", "1"] if which == "elastrun" else []
+        peer_extra = ["--rdzv_conf", "is_host=0", "--node_rank", "1"] if which == "elastrun" else []
         worker_args = [self.me, "--worker", "loop", out]
         a = Agent(self.cmd(which, *common, *host_extra, *worker_args), clean_env(BENCH_TAG="a"),
                   os.path.join(out, "a.log"))

@@ -66,6 +66,9 @@ class Agent {
  public:
   Agent(const AgentOptions& options, const rdzv::DetectedEnv& env, AgentSignals& signals)
       : o_(options), env_(env), signals_(signals) {}
+  ~Agent();  // removes the run's generated token file if this agent hosted the store
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
   int run();
 
  private:
@@ -87,6 +90,7 @@ class Agent {
   // ---- set-up (agent_setup.cpp) ----
   void resolve_command();
   void bootstrap();
+  void choose_auth(bool standalone);
   void open_event_log();
   void linger_for_peers();
 

@@ -15,6 +15,7 @@
 #include "agent.hpp"
 #include "elastrun/rdzv/etcd.hpp"
 #include "elastrun/rdzv/hostlist.hpp"
+#include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/store.hpp"
 
 namespace elastrun::launcher {
@@ -70,17 +71,33 @@ void Agent::bootstrap() {
   std::string endpoint = o_.rdzv_endpoint;
   if (endpoint.empty() && !o_.master_addr.empty())
     endpoint = fmt::format("{}:{}", o_.master_addr, o_.master_port.value_or(29500));
-  const BootstrapOverrides overrides{
-      .endpoint = endpoint, .run_id = o_.rdzv_id, .is_host = o_.is_host, .nproc = o_.nproc_per_node, .role = o_.role};
+  const BootstrapOverrides overrides{.endpoint = endpoint,
+                                     .run_id = o_.rdzv_id,
+                                     .is_host = o_.is_host,
+                                     .nproc = o_.nproc_per_node,
+                                     .role = o_.role,
+                                     .local_addr = o_.local_addr};
   if (standalone) {
-    auth_ = o_.rdzv_auth == "auto" ? AuthConfig{} : auth_from_option(o_.rdzv_auth);
     plan_ = plan_standalone(env_, overrides);
   } else {
-    auth_ = auth_from_option(o_.rdzv_auth);
     plan_ = plan_bootstrap(env_, overrides);
     const int step_nodes = env_.slurm ? env_.placement.num_nodes : 1;
     min_nodes_ = o_.min_nodes.value_or(step_nodes);
     max_nodes_ = o_.max_nodes.value_or(std::max(step_nodes, min_nodes_));
+    if (!o_.het_nnodes.empty()) {
+      const int het_size = env_.slurm ? env_.slurm->het_size : 0;
+      if (het_size < 2)
+        throw UsageError("--het-nnodes needs a heterogeneous Slurm step (srun ... : ...); use --nnodes otherwise");
+      if (static_cast<int>(o_.het_nnodes.size()) != het_size)
+        throw UsageError(fmt::format("--het-nnodes gives {} bound(s) but the job has {} het components; give one each",
+                                     o_.het_nnodes.size(), het_size));
+      min_nodes_ = max_nodes_ = 0;
+      for (auto [lo, hi] : o_.het_nnodes) {
+        min_nodes_ += lo;
+        max_nodes_ += hi;
+        component_bounds_.push_back({lo, hi});
+      }
+    }
     if (env_.slurm && env_.placement.local_world_size > 1)
       spdlog::warn("warning: {} Slurm tasks on this node; run one agent per node (srun --ntasks-per-node=1)",
                    env_.placement.local_world_size);
@@ -89,6 +106,8 @@ void Agent::bootstrap() {
   if (!o_.local_addr.empty()) plan_.me.address = o_.local_addr;
   spdlog::set_pattern(fmt::format("[elastrun node {}] %v", plan_.me.node_name));
   open_event_log();
+  if (!etcd) choose_auth(standalone);
+  if (!plan_.bind_note.empty() && !etcd) spdlog::warn("warning: {}", plan_.bind_note);
 
   std::unique_ptr<KvBackend> kv, hb;
   StoreConnector connector;
@@ -109,12 +128,38 @@ void Agent::bootstrap() {
                           .max_nodes = max_nodes_,
                           .join_timeout = o_.join_timeout,
                           .last_call_timeout = o_.last_call_timeout,
-                          .heartbeat_timeout = o_.heartbeat_timeout};
+                          .heartbeat_timeout = o_.heartbeat_timeout,
+                          .component_bounds = component_bounds_};
   rdzv_ = std::make_unique<Rendezvous>(std::move(kv), std::move(hb), config, plan_.me, connector);
   spdlog::info("run '{}', backend {}{}, store {}:{}, nodes {}:{}, {} worker(s) per node", plan_.run_id,
-               standalone ? "standalone" : to_string(o_.rdzv_backend), plan_.host_store ? " (hosted here)" : "",
-               etcd ? endpoint : plan_.store_address, etcd ? 0 : plan_.store_port, min_nodes_, max_nodes_,
-               o_.nproc_per_node);
+               standalone ? "standalone" : to_string(o_.rdzv_backend),
+               plan_.host_store && !etcd ? " (hosted here)" : "", etcd ? endpoint : plan_.store_address,
+               etcd ? 0 : plan_.store_port, min_nodes_, max_nodes_, o_.nproc_per_node);
+}
+
+Agent::~Agent() {
+  if (plan_.host_store && !auth_.token_file.empty()) ::unlink(auth_.token_file.c_str());
+}
+
+// --rdzv-auth for the embedded store. "auto" never means none: a token on one host (standalone,
+// a loopback endpoint, a one-node job), munge across hosts, or an error saying how to choose.
+void Agent::choose_auth(bool standalone) {
+  const bool one_node_job = !standalone && max_nodes_ == 1;
+  const bool one_host = standalone || one_node_job ||
+                        (o_.rdzv_endpoint.empty() && o_.master_addr.empty()
+                             ? env_.slurm && env_.placement.num_nodes == 1 && max_nodes_ == 1
+                             : is_loopback_host(plan_.store_host));
+  try {
+    auth_ = resolve_auth(o_.rdzv_auth, {.run_id = plan_.run_id, .one_host = one_host});
+  } catch (const AuthError& e) {
+    throw UsageError(e.what());
+  }
+  if (auth_.kind == AuthKind::None)
+    spdlog::warn("warning: --rdzv-auth=none: anyone who can reach port {} of {} may join or change this run",
+                 plan_.store_port, plan_.bind_address);
+  else
+    spdlog::debug("rendezvous auth: {}{}", to_string(auth_.kind),
+                  auth_.token_file.empty() ? "" : " (generated, " + auth_.token_file + ")");
 }
 
 // --events, or <--log-dir>/events-<node>.jsonl: opened before anything else happens, so a path

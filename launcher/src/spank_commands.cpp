@@ -35,12 +35,14 @@ namespace elastrun::launcher {
 int run_store_serve(int argc, char** argv) {
   CLI::App app{"Serve the rendezvous store alone (used by the SPANK plugin's srun --elastic).", "elastrun store-serve"};
   rdzv::StoreServerOptions so;
-  std::string auth = "none";
+  std::string auth = "token";
   int ready_fd = -1, lifeline_fd = -1;
   app.add_option("--run-id", so.run_id, "run id clients must name")->required();
   app.add_option("--port", so.port, "TCP port (default 0: any free port)");
+  // srun's node cannot know which of its addresses the compute nodes reach it at, so 0.0.0.0
+  // stays the default here: the store is guarded by its token (munge, or none only if asked).
   app.add_option("--bind", so.bind_address, "address to listen on (default 0.0.0.0)");
-  app.add_option("--rdzv-auth", auth, "token|munge|none (token: $ELASTRUN_RDZV_TOKEN)");
+  app.add_option("--rdzv-auth", auth, "token|munge|none (default token: $ELASTRUN_RDZV_TOKEN)");
   app.add_option("--ready-fd", ready_fd, "write \"<port>\\n\" here once listening, then close it");
   app.add_option("--lifeline-fd", lifeline_fd, "exit when this descriptor reaches end of file");
   try {
@@ -59,6 +61,8 @@ int run_store_serve(int argc, char** argv) {
     if (sfd < 0) throw std::system_error(errno, std::generic_category(), "signalfd");
 
     so.auth = rdzv::auth_from_option(auth);
+    if (so.auth.kind == rdzv::AuthKind::None)
+      fmt::print(stderr, "elastrun store-serve: warning: --rdzv-auth=none: anyone who reaches the port may join\n");
     rdzv::StoreServer server(so);
     if (ready_fd >= 0) {
       const std::string line = fmt::format("{}\n", server.port());

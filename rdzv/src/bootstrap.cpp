@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/slurm_api.hpp"
 #include "elastrun/util/parse.hpp"
 
@@ -28,6 +29,44 @@ std::pair<std::string, std::optional<std::uint16_t>> split_endpoint(const std::s
   return {endpoint.substr(0, colon), static_cast<std::uint16_t>(*port)};
 }
 
+// Where this agent's stores listen: never on every address unless nothing better is known.
+// Loopback for a loopback endpoint; else the address peers use: --local-addr, Slurm's NodeAddr,
+// or what the host name resolves to -- unless that is a loopback address (Debian maps the host
+// name to 127.0.1.1), which peers on other hosts cannot reach: then 0.0.0.0, with a note.
+void choose_bind_address(BootstrapPlan& plan, const DetectedEnv& env, const BootstrapOverrides& o) {
+  if (is_loopback_host(plan.store_host)) {
+    plan.bind_address = "127.0.0.1";
+    return;
+  }
+  std::optional<std::string> ip;
+  std::string source;
+  if (!o.local_addr.empty()) {
+    ip = ipv4_address(o.local_addr), source = "--local-addr=" + o.local_addr;
+  } else if (env.slurm) {
+    auto node_addr = slurm_node_addr(plan.me.node_name).value_or(plan.me.address);
+    ip = ipv4_address(node_addr), source = fmt::format("Slurm's NodeAddr {} of {}", node_addr, plan.me.node_name);
+    if (ip) {
+      plan.bind_address = *ip;  // even a loopback NodeAddr: that is where Slurm reaches the node
+      return;
+    }
+  } else {
+    ip = ipv4_address(plan.me.address), source = "host name " + plan.me.address;
+  }
+  if (ip && !is_loopback_host(*ip)) {
+    plan.bind_address = *ip;
+    return;
+  }
+  if (ip && !o.local_addr.empty()) {
+    plan.bind_address = *ip;  // asked for
+    return;
+  }
+  plan.bind_address = "0.0.0.0";
+  plan.bind_note = fmt::format(
+      "the stores listen on every address (0.0.0.0): {} {}; pass --local-addr=ADDR (the address other nodes "
+      "reach this one at) to listen on one",
+      source, ip ? fmt::format("resolves to the loopback address {}", *ip) : std::string("does not resolve"));
+}
+
 }  // namespace
 
 BootstrapPlan plan_bootstrap(const DetectedEnv& env, const BootstrapOverrides& o) {
@@ -44,14 +83,18 @@ BootstrapPlan plan_bootstrap(const DetectedEnv& env, const BootstrapOverrides& o
     plan.me.node_index = it == order.end() ? env.placement.node_rank : static_cast<int>(it - order.begin());
     plan.me.het_component = std::max(0, s.het_component);
   }
-  plan.me.address = resolve_node_address(plan.me.node_name).value_or(plan.me.node_name);
+  plan.me.address =
+      !o.local_addr.empty() ? o.local_addr : resolve_node_address(plan.me.node_name).value_or(plan.me.node_name);
   plan.run_id = !o.run_id.empty() ? o.run_id : env.run_id;
 
   if (!o.endpoint.empty()) {
     auto [host, port] = split_endpoint(o.endpoint);
     plan.store_host = host;
     plan.store_port = port.value_or(29400);
-    plan.host_store = o.is_host.value_or(host == plan.me.node_name || host == own_hostname());
+    // torchrun's rule: an endpoint naming this machine (its name, localhost, 127.0.0.1) means
+    // "host it here" -- and if another agent already does, join it as a client (start_agent_stores)
+    plan.host_store = o.is_host.value_or(host == plan.me.node_name || host == own_hostname() || is_loopback_host(host));
+    plan.host_store_inferred = !o.is_host;
   } else if (env.rdzv_endpoint) {
     plan.store_host = env.rdzv_endpoint->host;
     plan.store_port = env.rdzv_endpoint->port;
@@ -71,6 +114,7 @@ BootstrapPlan plan_bootstrap(const DetectedEnv& env, const BootstrapOverrides& o
                     "fix --rdzv-endpoint",
                     plan.store_host));
   plan.store_address = *address;
+  choose_bind_address(plan, env, o);
   return plan;
 }
 
@@ -97,12 +141,24 @@ AgentStores start_agent_stores(BootstrapPlan& plan, const AuthConfig& auth) {
   if (plan.host_store) {
     so.port = plan.store_port;
     so.fallback_ports = plan.fallback_ports;
-    stores.primary = std::make_unique<StoreServer>(so);
-    plan.me.store_port = stores.primary->port();
-  } else {
-    stores.standby = std::make_unique<StoreServer>(so);
-    plan.me.store_port = stores.standby->port();
+    try {
+      stores.primary = std::make_unique<StoreServer>(so);
+      plan.me.store_port = stores.primary->port();
+      return stores;
+    } catch (const StoreError& e) {
+      // Two agents started alike on one host (torchrun's tests do that): the first hosts the
+      // store, the second finds the port taken and joins it. Not with Slurm's derived ports,
+      // which have fallbacks of their own, nor when --rdzv-conf is_host=1 was explicit.
+      if (e.kind() != StoreErrorKind::AddressInUse || !plan.host_store_inferred || !plan.fallback_ports.empty()) throw;
+      spdlog::info("[rdzv] port {} is taken (another agent of this run hosts the store?): joining it as a client",
+                   plan.store_port);
+      plan.host_store = false;
+    }
   }
+  so.port = 0;  // a standby store: any free port, announced in our roster line
+  so.fallback_ports.clear();
+  stores.standby = std::make_unique<StoreServer>(so);
+  plan.me.store_port = stores.standby->port();
   return stores;
 }
 
@@ -123,8 +179,9 @@ std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const Auth
         return std::make_unique<StoreClient>(plan.store_address, port, auth, plan.run_id, Millis(2000));
       } catch (const StoreError& e) {
         last_error = e.what();
-        // A refusal for another reason than the run id is final: wrong credentials stay wrong.
-        if (e.kind() == StoreErrorKind::AuthFailed && last_error.find("serves run") == std::string::npos) throw;
+        // A store of another run (a stale port, a neighbouring job) may yet make way for ours; a
+        // refused credential is final: wrong credentials stay wrong.
+        if (e.kind() == StoreErrorKind::AuthFailed) throw;
       }
     }
     if (std::chrono::steady_clock::now() > deadline)

@@ -69,6 +69,25 @@ Listener listen_tcp(const std::string& address, std::uint16_t port, const std::v
               fmt::format("bind({}): port {} and its {} fallbacks are all in use", address, port, fallbacks.size()));
 }
 
+bool is_loopback_host(std::string_view host) {
+  if (host == "localhost" || host == "ip6-localhost" || host == "::1" || host == "[::1]") return true;
+  in_addr addr{};
+  const std::string text(host);
+  return inet_pton(AF_INET, text.c_str(), &addr) == 1 && (ntohl(addr.s_addr) >> 24) == 127;
+}
+
+std::optional<std::string> ipv4_address(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* raw = nullptr;
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &raw) != 0 || !raw) return std::nullopt;
+  std::unique_ptr<addrinfo, AddrInfoDeleter> list(raw);
+  char text[INET_ADDRSTRLEN] = {};
+  const auto* sin = reinterpret_cast<const sockaddr_in*>(list->ai_addr);
+  if (!inet_ntop(AF_INET, &sin->sin_addr, text, sizeof text)) return std::nullopt;
+  return std::string(text);
+}
+
 UniqueFd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout) {
   addrinfo hints{};
   hints.ai_family = AF_INET;

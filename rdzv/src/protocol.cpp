@@ -62,6 +62,7 @@ std::string_view to_string(Status status) {
     case Status::TooLarge: return "too large";
     case Status::StoreFull: return "store full";
     case Status::NotANumber: return "value is not a number";
+    case Status::WrongRun: return "this store serves another run";
     case Status::ConnectionLost: return "connection lost";
   }
   return "unknown status";
@@ -81,6 +82,7 @@ StoreErrorKind error_kind(Status status) {
     case Status::TooLarge: return StoreErrorKind::TooLarge;
     case Status::StoreFull: return StoreErrorKind::StoreFull;
     case Status::NotANumber: return StoreErrorKind::NotANumber;
+    case Status::WrongRun: return StoreErrorKind::WrongRun;
     case Status::ConnectionLost: return StoreErrorKind::ConnectionLost;
   }
   return StoreErrorKind::BadRequest;
@@ -103,6 +105,8 @@ std::string_view to_string(StoreErrorKind kind) {
     case StoreErrorKind::TooLarge: return "too large";
     case StoreErrorKind::StoreFull: return "store full";
     case StoreErrorKind::NotANumber: return "value is not a number";
+    case StoreErrorKind::WrongRun: return "this store serves another run";
+    case StoreErrorKind::AddressInUse: return "address in use";
     case StoreErrorKind::ConnectionLost: return "connection lost";
   }
   return "?";

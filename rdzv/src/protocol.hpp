@@ -66,6 +66,7 @@ enum class Status : std::uint8_t {
   TooLarge = 9,
   StoreFull = 10,
   NotANumber = 11,
+  WrongRun = 12,         // hello: this store serves another run (nothing more is said)
   ConnectionLost = 100,  // never on the wire: the client's view of a dropped connection
 };
 std::string_view to_string(Status status);

@@ -39,6 +39,10 @@ std::optional<std::string> resolve_node_address(const std::string& node_name) {
     freeaddrinfo(res);
     return node_name;
   }
+  return slurm_node_addr(node_name);
+}
+
+std::optional<std::string> slurm_node_addr(const std::string& node_name) {
   auto info = load_node(node_name);
   if (!info || info->record_count < 1 || !info->node_array[0].node_addr) return std::nullopt;
   return std::string(info->node_array[0].node_addr);

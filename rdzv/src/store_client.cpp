@@ -107,7 +107,18 @@ StoreClient::StoreClient(const std::string& host, std::uint16_t port, const Auth
     throw StoreError(StoreErrorKind::AuthFailed, e.what());
   }
   hello.run_id = std::string(run_id);
-  impl_->call(hello);
+  try {
+    impl_->call(hello);
+  } catch (const StoreError& e) {
+    // The store says no more than the kind of refusal; its own log has the reason.
+    if (e.kind() == StoreErrorKind::WrongRun)
+      throw StoreError(e.kind(), fmt::format("the store at {} serves another run than '{}'", impl_->endpoint, run_id));
+    if (e.kind() == StoreErrorKind::AuthFailed)
+      throw StoreError(e.kind(), fmt::format("the store at {} refused our '{}' credential for run '{}' (its log says "
+                                             "why): use the same --rdzv-auth and token on every agent",
+                                             impl_->endpoint, to_string(auth.kind), run_id));
+    throw;
+  }
 }
 
 StoreClient::~StoreClient() = default;

@@ -109,6 +109,7 @@ struct StoreServer::Impl {
   std::vector<Parked> parked;
   Clock::time_point next_due{};  // no lease or parked request is due before this
   std::uint64_t refused_auth = 0;
+  std::deque<std::pair<std::uint64_t, Clock::time_point>> hello_deadlines;  // (connection, deadline)
   std::uint64_t protocol_errors = 0;
 
   mutable std::mutex stats_mutex;
@@ -118,7 +119,8 @@ struct StoreServer::Impl {
     try {
       listener = listen_tcp(options.bind_address, options.port, options.fallback_ports);
     } catch (const std::system_error& e) {
-      throw StoreError(StoreErrorKind::BadRequest, fmt::format("store cannot listen: {}", e.what()));
+      throw StoreError(e.code().value() == EADDRINUSE ? StoreErrorKind::AddressInUse : StoreErrorKind::BadRequest,
+                       fmt::format("store cannot listen: {}", e.what()));
     }
     set_nonblocking(listener.fd.get());
     epoll_fd = UniqueFd(epoll_create1(EPOLL_CLOEXEC));
@@ -165,6 +167,7 @@ struct StoreServer::Impl {
           handle_connection_event(id, events[i].events);
       }
       expire(Clock::now());
+      expire_hellos(Clock::now());
       publish_stats();
     }
     connections.clear();  // closes every socket
@@ -196,6 +199,7 @@ struct StoreServer::Impl {
       auto& c = connections[id];
       c.fd = std::move(owned);
       c.peer = peer_name(addr);
+      hello_deadlines.emplace_back(id, Clock::now() + options.hello_timeout);
     }
   }
 
@@ -385,21 +389,45 @@ struct StoreServer::Impl {
     }
   }
 
+  // A refused client learns nothing but the kind of refusal: never this store's run id, auth
+  // kind or why its credential failed (that goes to this side's log). "Another run" stays a
+  // status of its own: agents probing fallback ports must tell a stale store of another job
+  // from a wrong credential, which is final.
   void hello(std::uint64_t id, const Request& req) {
     auto& c = connections.at(id);
-    std::optional<std::string> refusal;
-    if (req.run_id != options.run_id)
-      refusal = fmt::format("client is in run '{}', this store serves run '{}'", req.run_id, options.run_id);
-    else
-      refusal = check_credential(options.auth, req.auth_kind, req.credential, req.run_id);
-    if (refusal) {
-      ++refused_auth;
-      spdlog::warn("[store] refused {}: {}", c.peer, *refusal);
+    if (c.authenticated) {
       c.close_after_flush = true;
-      return queue(id, req, Status::AuthFailed, BodyWriter().str(*refusal).bytes());
+      return queue(id, req, Status::BadRequest, BodyWriter().str("hello twice").bytes());
+    }
+    if (req.run_id != options.run_id) {
+      ++refused_auth;
+      spdlog::warn("[store] refused {}: it asked for run '{}', this store serves run '{}'", c.peer,
+                   util::printable(req.run_id), options.run_id);
+      c.close_after_flush = true;
+      return queue(id, req, Status::WrongRun);
+    }
+    if (auto refusal = check_credential(options.auth, req.auth_kind, req.credential, req.run_id)) {
+      ++refused_auth;
+      spdlog::warn("[store] refused {}: {}", c.peer, util::printable(*refusal));
+      c.close_after_flush = true;
+      return queue(id, req, Status::AuthFailed);
     }
     c.authenticated = true;
     queue(id, req, Status::Ok, BodyWriter().u64(revision).bytes());
+  }
+
+  // Closes connections that did not authenticate within hello_timeout (in accept order, so
+  // the deadlines are sorted).
+  void expire_hellos(Clock::time_point now) {
+    while (!hello_deadlines.empty() && hello_deadlines.front().second <= now) {
+      auto id = hello_deadlines.front().first;
+      hello_deadlines.pop_front();
+      auto it = connections.find(id);
+      if (it == connections.end() || it->second.authenticated) continue;
+      ++refused_auth;
+      spdlog::warn("[store] closed {}: no valid hello within {} ms", it->second.peer, options.hello_timeout.count());
+      close_connection(id, "hello timeout");
+    }
   }
 
   // Fencing: a write under a lease that is gone comes from a member already declared dead.

@@ -16,7 +16,6 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/random.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -31,6 +30,7 @@
 
 #include "common.hpp"
 #include "elastic.hpp"
+#include "elastrun/util/random.hpp"
 #include "elastrun/util/unique_fd.hpp"
 
 extern char** environ;
@@ -46,20 +46,6 @@ std::pair<Fd, Fd> make_pipe() {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error(fmt::format("pipe2: {}", std::strerror(errno)));
   return {Fd(fds[0]), Fd(fds[1])};
-}
-
-std::string random_token() {
-  unsigned char bytes[24];
-  std::size_t got = 0;
-  while (got < sizeof bytes) {
-    const ssize_t n = ::getrandom(bytes + got, sizeof bytes - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw std::runtime_error(fmt::format("getrandom: {}", std::strerror(errno)));
-    got += static_cast<std::size_t>(n);
-  }
-  std::string hex;
-  for (unsigned char b : bytes) hex += fmt::format("{:02x}", b);
-  return hex;
 }
 
 // The store helper: `elastrun store-serve`, a child of srun in a process group of its own
@@ -220,7 +206,7 @@ int elastic_user_init(spank_t sp) {
   const char* restarts = std::getenv("SLURM_RESTART_COUNT");
   const std::string run_id = elastic_run_id(job, step, restarts ? restarts : "");
   const std::string agent = agent_path(std::getenv(kAgentEnv));
-  const std::string token = random_token();
+  const std::string token = elastrun::util::random_hex(24);
   store().emplace(agent, run_id, token);
   set_env(kStorePortEnv, std::to_string(store()->port()));
   set_env(kRunIdEnv, run_id);

@@ -234,7 +234,7 @@ two_agents)
   # 1. rank 3 (on the second agent) fails once: both agents restart, budget 1 used
   TEST_WORKER_FAIL_RANK=3 TEST_WORKER_FAIL_ONCE=$work/failed-once TEST_WORKER_SLEEP=1 agent_pair \
     --nnodes=2 --rdzv-id=t1 --rdzv-conf=is_host=1 --node-rank=0 --max-restarts=1 "${common[@]}" "$worker" -- \
-    --nnodes=2 --rdzv-id=t1 --node-rank=1 --max-restarts=1 "${common[@]}" "$worker"
+    --nnodes=2 --rdzv-id=t1 --rdzv-conf=is_host=0 --node-rank=1 --max-restarts=1 "${common[@]}" "$worker"
   [[ $rc_a -eq 0 && $rc_b -eq 0 ]] || fail "agents exited $rc_a/$rc_b after one failure"
   for r in 0 1 2 3; do
     last=$(ls "$work"/out/rank$r.gen*.json | sort -V | tail -1)
@@ -249,7 +249,7 @@ two_agents)
     >"$work/a.out" 2>"$work/a.err" &
   agent_pid=$!
   TEST_WORKER_SLEEP=60 TEST_WORKER_SLEEP_WORLD_SIZE=4 \
-    "$elastrun" --nnodes=1:2 --rdzv-id=t2 --node-rank=1 "${common[@]}" "$worker" >"$work/b.out" 2>"$work/b.err" &
+    "$elastrun" --nnodes=1:2 --rdzv-id=t2 --rdzv-conf=is_host=0 --node-rank=1 "${common[@]}" "$worker" >"$work/b.out" 2>"$work/b.err" &
   b_pid=$!
   track_pid "$agent_pid" "$b_pid"
   wait_for -i 0.1 20 have_files 4 "$work/out/rank*.gen*.json"
@@ -268,7 +268,7 @@ two_agents)
   rm -rf "$work"/out/*
   TEST_WORKER_FAIL_RANK=3 TEST_WORKER_FAIL_AFTER=0.5 TEST_WORKER_SLEEP=60 agent_pair \
     --nnodes=2 --rdzv-id=t3 --rdzv-conf=is_host=1 --node-rank=0 "${common[@]}" "$worker" -- \
-    --nnodes=2 --rdzv-id=t3 --node-rank=1 "${common[@]}" "$worker"
+    --nnodes=2 --rdzv-id=t3 --rdzv-conf=is_host=0 --node-rank=1 "${common[@]}" "$worker"
   [[ $rc_a -eq 1 && $rc_b -eq 1 ]] || fail "agents exited $rc_a/$rc_b, expected 1/1 when the budget is used up"
   grep -q "root cause (first failure)" "$work/b.err" || fail "no summary on the failing agent"
   grep -q "is closed: failed: rank 3 .*exited with code 3" "$work/a.err" || fail "the other agent does not report the root cause"

@@ -163,7 +163,7 @@ two_agents | summary)
       TEST_WORKER_FAIL_AFTER=1
   fi
   start_agent a --rdzv-conf=is_host=1 --node-rank=0 "${common[@]}" "$worker"
-  start_agent b --node-rank=1 "${common[@]}" "$worker"
+  start_agent b --rdzv-conf=is_host=0 --node-rank=1 "${common[@]}" "$worker"
   if [[ $case_name == two_agents ]]; then
     wait_files "$work/out/rank*.json" 4 || fail "4 workers did not start"
     sleep 0.5
@@ -198,10 +198,10 @@ scale_up)
     export TEST_WORKER_POLL_CONTROL=1 TEST_WORKER_SLEEP=120 TEST_WORKER_SLEEP_WORLD_SIZE=4
     pids=()
     start_agent a --rdzv-conf=is_host=1 --node-rank=0 "${common[@]}" "$worker"
-    start_agent b --node-rank=1 "${common[@]}" "$worker"
+    start_agent b --rdzv-conf=is_host=0 --node-rank=1 "${common[@]}" "$worker"
     wait_files "$work/out/rank*.json" 4 || fail "4 workers did not start"
     sleep 0.5  # the workers' first poll leaves the .seen marker
-    start_agent c --node-rank=2 "${common[@]}" "$worker"
+    start_agent c --rdzv-conf=is_host=0 --node-rank=2 "${common[@]}" "$worker"
     finish "${pids[2]}"; rc_c=$?
     finish "${pids[1]}"; rc_b=$?
     finish "${pids[0]}"; rc_a=$?

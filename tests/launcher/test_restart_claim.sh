@@ -26,7 +26,7 @@ for round in 1 2 3 4 5; do
   pids=()
   "$elastrun" "${common[@]}" --rdzv-conf=is_host=1 --node-rank=0 "$work/worker.sh" >/dev/null 2>"$work/a.err" &
   pids+=($!)
-  "$elastrun" "${common[@]}" --node-rank=1 "$work/worker.sh" >/dev/null 2>"$work/b.err" &
+  "$elastrun" "${common[@]}" --rdzv-conf=is_host=0 --node-rank=1 "$work/worker.sh" >/dev/null 2>"$work/b.err" &
   pids+=($!)
   track_pid "${pids[@]}"
   rc=()

@@ -56,8 +56,12 @@ int main(int argc, char** argv) {
     BootstrapPlan plan;
     if (slurm) {
       auto env = detect_environment(current_environment(), expand_hostlist);
-      plan = plan_bootstrap(
-          env, {.endpoint = endpoint, .run_id = "", .is_host = std::nullopt, .nproc = nproc, .role = "default"});
+      plan = plan_bootstrap(env, {.endpoint = endpoint,
+                                  .run_id = "",
+                                  .is_host = std::nullopt,
+                                  .nproc = nproc,
+                                  .role = "default",
+                                  .local_addr = ""});
       if (!node.empty()) plan.me.node_name = node;
     } else {
       auto colon = endpoint.rfind(':');
@@ -72,7 +76,7 @@ int main(int argc, char** argv) {
       plan.host_store = serve;
     }
     spdlog::set_pattern(fmt::format("[node {}] %v", plan.me.node_name));
-    auto auth_config = auth_from_option(auth);
+    auto auth_config = resolve_auth(auth, {.run_id = plan.run_id, .one_host = false});
     std::unique_ptr<StoreServer> server;
     if (plan.host_store || serve) {
       StoreServerOptions options;
@@ -105,7 +109,8 @@ int main(int argc, char** argv) {
                             .max_nodes = max_nodes,
                             .join_timeout = Millis(join_timeout_ms),
                             .last_call_timeout = Millis(last_call_ms),
-                            .heartbeat_timeout = Millis(hb_ms)};
+                            .heartbeat_timeout = Millis(hb_ms),
+                            .component_bounds = {}};
     Rendezvous rdzv(std::move(kv), std::move(hb), config, plan.me, connector);
     for (int done = 0; rounds == 0 || done < rounds; ++done) {
       auto r = rdzv.next_round();

@@ -33,7 +33,7 @@ class Munged : public testing::Environment {
                    "--seed-file=" + (munged_.dir() / "seed").string()},
                   [] {
                     try {
-                      make_credential(AuthConfig{AuthKind::Munge, "", socket}, "probe");
+                      make_credential(AuthConfig{AuthKind::Munge, "", socket, ""}, "probe");
                       return true;
                     } catch (const AuthError&) {
                       return false;
@@ -48,7 +48,7 @@ class Munged : public testing::Environment {
 // gtest takes ownership of environments through a raw pointer.
 const auto* const kMunged = testing::AddGlobalTestEnvironment(std::make_unique<Munged>().release());
 
-AuthConfig munge() { return {AuthKind::Munge, "", Munged::socket}; }
+AuthConfig munge() { return {AuthKind::Munge, "", Munged::socket, ""}; }
 
 StoreServer server() {
   StoreServerOptions o;
@@ -72,7 +72,8 @@ TEST(MungeAuth, MissingCredentialIsRefused) {
     FAIL() << "admitted without a credential";
   } catch (const StoreError& e) {
     EXPECT_EQ(e.kind(), StoreErrorKind::AuthFailed);
-    EXPECT_NE(std::string(e.what()).find("requires 'munge'"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("munge"), std::string::npos)
+        << "the refusal names the store's auth: " << e.what();
   }
   EXPECT_EQ(s.stats().keys, 0u);
 }

@@ -1,6 +1,7 @@
 // The embedded store over real loopback sockets: operations, blocking waits, watches, leases
 // (death by disconnect and by silence), fencing, authentication and hostile input.
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -265,15 +266,16 @@ TEST(Store, SlurmConfirmedDownOrUnknownEndsTheLeaseAtOnce) {
 
 TEST(Store, WrongTokenIsRefusedAndChangesNothing) {
   auto options = local_options();
-  options.auth = {AuthKind::Token, "s3cret", ""};
+  options.auth = {AuthKind::Token, "s3cret", "", ""};
   StoreServer server(options);
-  AuthConfig wrong{AuthKind::Token, "guess", ""};
+  AuthConfig wrong{AuthKind::Token, "guess", "", ""};
   try {
     connect(server, wrong);
     FAIL() << "wrong token accepted";
   } catch (const StoreError& e) {
     EXPECT_EQ(e.kind(), StoreErrorKind::AuthFailed);
-    EXPECT_NE(std::string(e.what()).find("wrong token"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("refused our 'token' credential"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("s3cret"), std::string::npos) << e.what();
   }
   try {
     connect(server, AuthConfig{});  // no credential at all
@@ -286,15 +288,34 @@ TEST(Store, WrongTokenIsRefusedAndChangesNothing) {
   EXPECT_TRUE(eventually([&] { return server.stats().refused_auth == 2; }));
 }
 
-TEST(Store, ClientOfAnotherRunIsRefused) {
+TEST(Store, ClientOfAnotherRunIsRefusedWithoutLearningTheRun) {
   StoreServer server(local_options());
   try {
     connect(server, {}, "some-other-job");
     FAIL() << "client of another run accepted";
   } catch (const StoreError& e) {
-    EXPECT_EQ(e.kind(), StoreErrorKind::AuthFailed);
-    EXPECT_NE(std::string(e.what()).find("some-other-job"), std::string::npos) << e.what();
+    EXPECT_EQ(e.kind(), StoreErrorKind::WrongRun) << "a status of its own: port fallbacks rely on it";
+    EXPECT_NE(std::string(e.what()).find("another run than 'some-other-job'"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find(local_options().run_id), std::string::npos)
+        << "the store's run id leaked: " << e.what();
   }
+}
+
+TEST(Store, SilentConnectionIsClosedAfterTheHelloTimeout) {
+  auto options = local_options();
+  options.hello_timeout = 300ms;
+  StoreServer server(options);
+  auto fd = connect_tcp("127.0.0.1", server.port(), 2s);
+  pollfd p{fd.get(), POLLIN, 0};
+  ASSERT_EQ(poll(&p, 1, 10'000), 1) << "the store kept a connection that never said hello";
+  char byte;
+  EXPECT_EQ(::recv(fd.get(), &byte, 1, 0), 0) << "expected the store to close the connection";
+  EXPECT_TRUE(eventually([&] { return server.stats().refused_auth == 1; }));
+  // An authenticated client is not affected by the timeout.
+  auto c = connect(server);
+  std::this_thread::sleep_for(600ms);
+  c.set("k", "v");
+  EXPECT_EQ(c.get("k")->value, "v");
 }
 
 TEST(Store, FullStoreRefusesWrites) {

@@ -39,6 +39,12 @@ TEST(UtilParse, Lists) {
   EXPECT_EQ(split_list("k=v;x", ';'), (std::vector<std::string_view>{"k=v", "x"}));
 }
 
+TEST(UtilParse, PrintableEscapesAndCuts) {
+  EXPECT_EQ(elastrun::util::printable("run-1.r0"), "run-1.r0");
+  EXPECT_EQ(elastrun::util::printable(std::string_view("a\nb\x1b\\\xff", 6)), "a\\x0ab\\x1b\\x5c\\xff");
+  EXPECT_EQ(elastrun::util::printable(std::string(300, 'x'), 4), "xxxx...");
+}
+
 TEST(UtilUniqueFd, ClosesOnceAndMoves) {
   int raw = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   ASSERT_GE(raw, 0);

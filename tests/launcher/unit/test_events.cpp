@@ -160,7 +160,7 @@ TEST(EventsAgent, MemberLostSaysHowItWasDetected) {
   };
   fs::create_directories(dir.path() / "out");
   const pid_t a = spawn_shell(agent(0, "--rdzv-conf=is_host=1,last_call_timeout=2"));
-  const pid_t b = spawn_shell(agent(1, ""));
+  const pid_t b = spawn_shell(agent(1, "--rdzv-conf=is_host=0"));
   struct Reaper {  // on a failed assertion: kill and reap both agents (their workers die with them)
     std::vector<pid_t> pids;
     ~Reaper() {

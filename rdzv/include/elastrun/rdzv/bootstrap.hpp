@@ -22,7 +22,9 @@ struct BootstrapPlan {
   std::uint16_t store_port = 0;
   std::vector<std::uint16_t> fallback_ports;
   bool host_store = false;               // this agent runs the embedded store
+  bool host_store_inferred = false;      // from the endpoint naming this host, not is_host=1
   std::string bind_address = "0.0.0.0";  // where a hosted or standby store listens
+  std::string bind_note;                 // why bind_address is 0.0.0.0 (for a warning), if it is
 };
 
 struct BootstrapOverrides {
@@ -31,6 +33,7 @@ struct BootstrapOverrides {
   std::optional<bool> is_host;  // --rdzv-conf is_host=1|0
   int nproc = 1;
   std::string role = "default";
+  std::string local_addr;  // --local-addr: how peers reach this node (also where its stores listen)
 };
 
 // Throws RendezvousError with a one-line explanation (e.g. no Slurm and no endpoint).
@@ -43,7 +46,9 @@ BootstrapPlan plan_standalone(const DetectedEnv& env, const BootstrapOverrides& 
 // The stores an agent serves: the embedded store when the plan says it hosts it, otherwise a
 // standby store on any free port, to which the survivors fail over if the store host dies
 // (docs/rendezvous.md, "No single point of failure"). Sets plan.me.store_port to the port the
-// store got (for a hosted store, plan.store_port or one of the fallbacks). Throws StoreError.
+// store got (for a hosted store, plan.store_port or one of the fallbacks). When the plan only
+// inferred hosting (an endpoint naming this host) and the port is taken, the agent joins as a
+// client instead (plan.host_store becomes false). Throws StoreError.
 struct AgentStores {
   std::unique_ptr<StoreServer> primary;  // this agent hosts the run's store
   std::unique_ptr<StoreServer> standby;

@@ -3,7 +3,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -25,6 +27,13 @@ Listener listen_tcp(const std::string& address, std::uint16_t port, const std::v
 // Connects to host:port (name or address), waiting at most `timeout`. Throws std::system_error
 // with the host and port in the message.
 UniqueFd connect_tcp(const std::string& host, std::uint16_t port, std::chrono::milliseconds timeout);
+
+// A literal loopback name: localhost, ip6-localhost, 127.x.y.z or ::1 (no lookup: a host name
+// that resolves to 127.0.1.1, as Debian's does, still names a host other machines reach).
+bool is_loopback_host(std::string_view host);
+
+// The first IPv4 address `host` resolves to (dotted quad), std::nullopt if it does not resolve.
+std::optional<std::string> ipv4_address(const std::string& host);
 
 void set_nonblocking(int fd);
 void set_nodelay(int fd);

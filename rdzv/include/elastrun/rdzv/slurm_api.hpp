@@ -14,4 +14,8 @@ std::optional<std::string> resolve_node_address(const std::string& node_name);
 // slurmctld cannot be asked. Used to confirm a silent member before declaring it dead.
 std::optional<bool> slurm_node_is_down(const std::string& node_name);
 
+// Slurm's NodeAddr for `node_name` (slurmctld's view: the address the node is reached at), or
+// std::nullopt if slurmctld does not answer or does not know the node.
+std::optional<std::string> slurm_node_addr(const std::string& node_name);
+
 }  // namespace elastrun::rdzv

@@ -32,11 +32,13 @@ enum class StoreErrorKind {
   NoSuchLease,  // expired, revoked, or never granted: the holder was declared dead
   Compacted,    // a watch asked for history the server no longer keeps
   BadRequest,
-  AuthFailed,  // refused: wrong credentials, or a store of another run
+  AuthFailed,  // refused: wrong or missing credentials (the store says nothing more)
   NotAuthenticated,
   TooLarge,
   StoreFull,
   NotANumber,
+  WrongRun,        // refused at hello: the store serves another run (e.g. a stale port of another job)
+  AddressInUse,    // a store could not listen: its port (and every fallback) is taken
   ConnectionLost,  // transport: unreachable, or the connection dropped
 };
 std::string_view to_string(StoreErrorKind kind);
@@ -57,6 +59,9 @@ struct StoreServerOptions {
   std::vector<std::uint16_t> fallback_ports;  // tried in order when `port` is taken
   AuthConfig auth;
   std::string run_id;  // clients must name the same run (a stray job's agents are refused)
+  // A connection that has not said a valid hello within this long is closed: an idle or
+  // unauthenticated peer cannot hold one of the max_connections slots.
+  Millis hello_timeout{5000};
   std::size_t max_connections = 8192;
   std::size_t max_store_bytes = 256u << 20;
   std::size_t watch_history = 1u << 16;        // events kept for watchers that fall behind

@@ -6,6 +6,7 @@
 #include <charconv>
 #include <concepts>
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -57,6 +58,25 @@ inline std::vector<std::string_view> split_list(std::string_view text, char sepa
     text = at == std::string_view::npos ? std::string_view{} : text.substr(at + 1);
   }
   return items;
+}
+
+// Text from a peer made safe for one log line: bytes outside printable ASCII become \xNN and
+// anything past `max` bytes is cut ("..." marks the cut).
+inline std::string printable(std::string_view text, std::size_t max = 200) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (std::size_t i = 0; i < text.size() && i < max; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  if (text.size() > max) out += "...";
+  return out;
 }
 
 }  // namespace elastrun::util
