@@ -55,6 +55,12 @@ void Agent::resolve_command() {
     command_path_ = *interp;
     command_argv_ = {o_.python, "-u"};
     if (o_.module) command_argv_.push_back("-m");
+    // A missing script is a usage error now, not a worker failure after the rendezvous (every
+    // agent of the job starts the same script; each checks its own view of the filesystem).
+    std::error_code ec;
+    if (!o_.module && !fs::is_regular_file(o_.program, ec))
+      throw UsageError(
+          fmt::format("script '{}' not found (or not a file); give a path to a Python script", o_.program));
   } else {
     auto exe = find_executable(o_.program);
     if (!exe) throw UsageError(fmt::format("program '{}' not found or not executable", o_.program));
@@ -155,8 +161,7 @@ void Agent::choose_auth(bool standalone) {
     throw UsageError(e.what());
   }
   if (auth_.kind == AuthKind::None)
-    spdlog::warn("warning: --rdzv-auth=none: anyone who can reach port {} of {} may join or change this run",
-                 plan_.store_port, plan_.bind_address);
+    spdlog::warn("warning: --rdzv-auth=none: anyone who can reach this run's rendezvous stores may join or change it");
   else
     spdlog::debug("rendezvous auth: {}{}", to_string(auth_.kind),
                   auth_.token_file.empty() ? "" : " (generated, " + auth_.token_file + ")");

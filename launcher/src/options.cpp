@@ -100,6 +100,32 @@ std::vector<std::pair<int, int>> parse_het_nnodes(const std::string& text) {
   return bounds;
 }
 
+// A name that goes into store keys and roster lines: 1..max printable characters, no blanks.
+void check_word(const char* flag, const std::string& value, std::size_t max) {
+  const bool ok = value.size() <= max && std::all_of(value.begin(), value.end(), [](char c) {
+                    return static_cast<unsigned char>(c) > 0x20 && static_cast<unsigned char>(c) < 0x7f;
+                  });
+  if (!ok)
+    throw UsageError(fmt::format("{}='{}' must be at most {} printable characters without blanks", flag,
+                                 util::printable(value, 40), max));
+}
+
+// HOST[:PORT] with a port of 1-65535 when given.
+void check_endpoint(const std::string& endpoint) {
+  const auto colon = endpoint.rfind(':');
+  const auto host = endpoint.substr(0, colon);
+  bool ok = !host.empty() && host.size() <= 253 && std::none_of(host.begin(), host.end(), [](char c) {
+    return static_cast<unsigned char>(c) <= 0x20 || static_cast<unsigned char>(c) >= 0x7f;
+  });
+  if (ok && colon != std::string::npos) {
+    auto port = to_long(std::string_view(endpoint).substr(colon + 1));
+    ok = port && *port >= 1 && *port <= 65535;
+  }
+  if (!ok)
+    throw UsageError(
+        fmt::format("--rdzv-endpoint='{}' is not HOST[:PORT] with a port of 1-65535", util::printable(endpoint, 60)));
+}
+
 bool parse_bool(const std::string& flag, const std::string& value) {
   if (auto b = util::parse_boolean(value)) return *b;
   throw UsageError(fmt::format("{}='{}' must be true or false (also 1/0, yes/no, on/off)", flag, value));
@@ -317,6 +343,15 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   o.program = rest.front();
   o.program_args.assign(rest.begin() + 1, rest.end());
 
+  // Values that would otherwise fail late (after join_timeout of retries) or corrupt the roster,
+  // whose fields are tab-separated: one line now, exit 2.
+  if (app.count("--nnodes") > 0 && nnodes.empty()) throw UsageError("--nnodes is empty; give N or MIN:MAX");
+  check_word("--rdzv-id", o.rdzv_id, 200);
+  check_word("--role", o.role, 100);
+  if (o.rdzv_auth != "auto" && o.rdzv_auth != "munge" && o.rdzv_auth != "token" && o.rdzv_auth != "none")
+    throw UsageError(
+        fmt::format("--rdzv-auth='{}' is not one of auto, munge, token, none", util::printable(o.rdzv_auth)));
+  if (!o.rdzv_endpoint.empty()) check_endpoint(o.rdzv_endpoint);
   if (!nnodes.empty()) parse_nnodes(nnodes, o);
   if (!het_nnodes.empty()) {
     if (!nnodes.empty())

@@ -29,10 +29,11 @@
 #   resize_requeue  requeue.sbatch (--nodes=2-4), 4 nodes x 1 worker: kill-node n3 (world 4 -> 3),
 #                 then n4 drained and scancel --signal=USR1: checkpoint, requeue; the second run
 #                 starts on the 2 nodes left (the node range) and resumes at world 2
-#   het           het.sbatch, component 0: 1 node x 1 worker, component 1: 3 nodes x 2 (world 7,
-#                 --het-nnodes=1:1,2:3); kill-node n3 of component 1, then rank 1 exits 1 at step 30:
-#                 component 1 shrinks (world 5, members n1 n2 n4, component 0 first and still 1
-#                 worker), one restart, another round of 5
+#   het           het.sbatch, component 0: 3 nodes x 2 workers, component 1: 1 node x 1 (world 7,
+#                 --het-nnodes=2:3,1:1); kill-node n3 of component 0, then rank 1 exits 1 at step 30:
+#                 component 0 shrinks (world 5, members n1 n2 n4), component 1 keeps its node and
+#                 its 1 worker (last rank), one restart, another round of 5. (Component 0 is the
+#                 multi-node one: Slurm applies any node failure of a het job to the leader too.)
 #   kill_during_save  elastic.sbatch, 2 nodes x 2; the async save of step 20 is parked inside its
 #                 commit (ELASTRUN_TRAIN_PARK_SAVE_AT_STEP, a test switch of train) and every worker
 #                 is SIGKILLed there: one restart, resumed from step 15, no partial step left
@@ -265,22 +266,33 @@ assert len([e for e in events if e["event"] == "resumed"]) == 2, "expected two r
   scontrol show job "$requeued" | grep -q "Restarts=1" || fail "job $requeued was not requeued exactly once"
   ;;
 het)
-  # 1 node x 1 worker + 3 nodes x 2 (world 7); sbatch's `:` gives each component its node count
-  job=$(env TMPDIR="$out/tmp" ELASTRUN="$bin/elastrun" NPROC0=1 NPROC1=2 MIN_NODES1=2 \
-    sbatch --parsable --nodes=1 --chdir="$out" --output="$out/job.out" : --nodes=3 "$job_scripts/het.sbatch" \
-    "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150 --fail-at-step 30:1)
+  # 3 nodes x 2 workers + 1 node x 1 (world 7); sbatch's `:` gives each component its node count.
+  # The multi-node component comes first: Slurm applies a node failure anywhere in a het job to
+  # the leader (component 0) too, which survives it only with --no-kill and more than one node.
+  job=$(env TMPDIR="$out/tmp" ELASTRUN="$bin/elastrun" NPROC0=2 NPROC1=1 MIN_NODES0=2 \
+    sbatch --parsable --nodes=3 --chdir="$out" --output="$out/job.out" : --nodes=1 "$job_scripts/het.sbatch" \
+    "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 600 --fail-at-step 30:1)
   job=${job%%;*}
-  echo "job $job: het.sbatch on 1 + 3 nodes"
+  echo "job $job: het.sbatch on 3 + 1 nodes"
   wait_past_step 12
   "$TB" kill-node n3
+  # the point: the het job is still running once slurmctld has handled the node failure
+  n3_down() { [[ $(sinfo -h -n n3 -o %T) == down* ]]; }
+  wait_for -i 0.5 90 n3_down || fail "slurmctld did not mark n3 down"
+  past_step 40 && fail "training ended before slurmctld handled the lost node; slow it down (--step-ms)"
+  [[ $(job_state) == RUNNING ]] || fail "the het job did not survive the loss of n3: $(job_state)"
+  survived=$job
   check_promise '
-assert worlds[0] == 7 and worlds[-2:] == [5, 5], "expected world 7 (1x1 + 3x2), then 5 without n3, then 5 again after the restart"
+assert worlds[0] == 7 and worlds[-2:] == [5, 5], "expected world 7 (3x2 + 1x1), then 5 without n3, then 5 again after the restart"
 assert {e["member"] for e in events if e["event"] == "member_lost"} == {"n3"}, "expected n3 lost"
-assert rounds[0]["members"] == ["n1", "n2", "n3", "n4"], f"ranks not in component order: {rounds[0][\"members\"]}"
-assert rounds[-1]["members"] == ["n1", "n2", "n4"], f"component 1 should have shrunk to n2, n4: {rounds[-1][\"members\"]}"
+first, last = rounds[0]["members"], rounds[-1]["members"]
+assert first == ["n1", "n2", "n3", "n4"], f"ranks not in component order: {first}"
+assert last == ["n1", "n2", "n4"], f"component 0 should have shrunk to n1, n2: {last}"
 decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
 assert decisions.count("restart") == 1, f"expected one counted restart after the re-form, got {decisions}"
-assert any(e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] == 1 for e in events), "no exit 1 of rank 1"'
+assert any(e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] == 1 for e in events), "no exit 1 of rank 1"
+assert len({e["run_id"] for e in rounds}) == 1, "expected one run (the het job survives in place, no requeue)"'
+  scontrol show job "$survived" | grep -q "Restarts=0" || fail "het job $survived was requeued"
   ;;
 kill_during_save)
   submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 100

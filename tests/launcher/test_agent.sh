@@ -118,6 +118,11 @@ bad_flags)
   check "--rdzv-conf" --rdzv-conf=frobnicate=1 "$worker"
   check "no program" --standalone
   check "not found" --standalone /nonexistent/prog
+  check "script '/nonexistent/train.py' not found" --standalone /nonexistent/train.py
+  check "--rdzv-endpoint='h:0'" --rdzv-endpoint=h:0 --rdzv-id=x "$worker"
+  check "--rdzv-auth='maybe'" --standalone --rdzv-auth=maybe "$worker"
+  check "--rdzv-id=" --standalone --rdzv-id="$(printf 'x%.0s' {1..300})" "$worker"
+  check "--nnodes is empty" --nnodes "" "$worker"
   check "--max-restarts" --max-restarts=-1 "$worker"
   "$elastrun" --help >"$work/stdout" 2>&1 || fail "--help failed"
   for f in --nnodes --nproc-per-node --rdzv-backend --rdzv-endpoint --rdzv-id --rdzv-conf --standalone \

@@ -105,7 +105,8 @@ TEST(Net, LoopbackNamesAreLiteral) {
 
 BootstrapOverrides overrides(const std::string& endpoint, std::optional<bool> is_host = std::nullopt,
                              const std::string& local_addr = "") {
-  return {.endpoint = endpoint, .run_id = "r", .is_host = is_host, .nproc = 1, .role = "default", .local_addr = local_addr};
+  return {
+      .endpoint = endpoint, .run_id = "r", .is_host = is_host, .nproc = 1, .role = "default", .local_addr = local_addr};
 }
 
 TEST(Bootstrap, StoresListenOnLoopbackForALoopbackEndpointAndOnTheGivenLocalAddress) {

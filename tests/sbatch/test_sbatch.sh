@@ -2,7 +2,7 @@
 # The job scripts in sbatch/ submitted with sbatch on the testbed, running the launcher's test
 # worker (it writes its environment as rank<R>.gen<G>.json):
 #   elastic  sbatch/elastic.sbatch on 4 nodes -> 8 workers, ranks in node order, exit 0
-#   het      sbatch/het.sbatch (1 node x 1 worker + 2 nodes x 2 workers) -> 5 global ranks,
+#   het      sbatch/het.sbatch (2 nodes x 2 workers + 1 node x 1 worker) -> 5 global ranks,
 #            component 0 first
 #   usage    sbatch/elastic.sbatch without a program -> the job fails with a usage line
 #   requeue  sbatch/requeue.sbatch on 2 nodes running examples' `train` (libtorch); once it
@@ -91,11 +91,11 @@ import glob, json, sys
 runs = sorted((json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")), key=lambda r: int(r["RANK"]))
 assert [int(r["RANK"]) for r in runs] == list(range(5)), runs
 assert all(r["WORLD_SIZE"] == "5" for r in runs), runs
-assert runs[0]["LOCAL_WORLD_SIZE"] == "1" and runs[0]["GROUP_RANK"] == "0", runs[0]
-assert all(r["LOCAL_WORLD_SIZE"] == "2" for r in runs[1:]), runs
-assert [r["GROUP_RANK"] for r in runs[1:]] == ["1", "1", "2", "2"], runs
+assert all(r["LOCAL_WORLD_SIZE"] == "2" for r in runs[:4]), runs
+assert [r["GROUP_RANK"] for r in runs[:4]] == ["0", "0", "1", "1"], runs
+assert runs[4]["LOCAL_WORLD_SIZE"] == "1" and runs[4]["GROUP_RANK"] == "2", runs[4]
 assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in runs}) == 1, runs
-print("ok: het.sbatch ranks 0..4, component 0 (1 worker) first, then 2 nodes x 2")
+print("ok: het.sbatch ranks 0..4, component 0 (2 nodes x 2) first, then 1 node x 1")
 PY
   ;;
 usage)
