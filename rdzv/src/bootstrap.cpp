@@ -105,8 +105,9 @@ BootstrapPlan plan_bootstrap(const DetectedEnv& env, const BootstrapOverrides& o
         "no rendezvous endpoint: not inside a Slurm step; pass --rdzv-endpoint=HOST:PORT (or "
         "--standalone for one machine)");
   }
-  if (plan.run_id.empty())
-    throw RendezvousError("no rendezvous id: pass --rdzv-id (under Slurm it defaults to the job id)");
+  // torchrun's default --rdzv-id is "none": the static form (--master-addr/--master-port, no
+  // --rdzv-id) must run as it does there. Under Slurm the id comes from the job.
+  if (plan.run_id.empty()) plan.run_id = "none";
   auto address = resolve_node_address(plan.store_host);
   if (!address)
     throw RendezvousError(

@@ -12,6 +12,7 @@
 #   log_dir    --log-dir with --tee 3: per-attempt stdout/stderr files and console
 #   orphans    a worker leaves a setsid'd grandchild behind: the agent (child subreaper) kills it
 #   etcd       two agents with --rdzv-backend=etcd against a private etcd (skipped, 77, without etcd)
+#   static_form  --nnodes=1 --master-addr=localhost --master-port=P --node-rank=0 (no --rdzv-id): runs, run id 'none'
 #   two_agents two agents on this machine (--rdzv-endpoint, no Slurm): a worker failure on one
 #              restarts both (RESTART_COUNT=1); kill -9 of one -> the other re-forms alone and finishes
 set -uo pipefail
@@ -70,6 +71,20 @@ success)
     grep -q "^\[elastrun node [^]]*\] state $s" "$work/stderr" || fail "no 'state $s' log line"
   done
   echo "ok: success path"
+  ;;
+static_form)
+  # torchrun's static launch line from PyTorch's docs: no --rdzv-id, a localhost master that this
+  # agent hosts, and the default --rdzv-auth=auto (a generated token on one host)
+  port=$(free_port)
+  "$elastrun" --nnodes=1 --nproc-per-node=2 --master-addr=localhost --master-port="$port" --node-rank=0 "$worker" \
+    >"$work/stdout" 2>"$work/stderr"
+  rc=$?
+  [[ $rc -eq 0 ]] || fail "the static form exited $rc"
+  f=$(ls "$work"/out/rank1.gen*.json 2>/dev/null | head -1)
+  [[ -n $f ]] || fail "rank 1 did not run"
+  [[ $(json "$f" 'd["WORLD_SIZE"], d["TORCHELASTIC_RUN_ID"]') == "('2', 'none')" ]] || fail "rank 1 env: $(cat "$f")"
+  grep -q "hosted here), store localhost:$port" "$work/stderr" || fail "this agent did not host the store on localhost:$port"
+  echo "ok: the static form runs with torchrun's default run id"
   ;;
 restart)
   TEST_WORKER_FAIL_RANK=1 TEST_WORKER_FAIL_ONCE=$work/failed-once TEST_WORKER_EXIT_CODE=5 \

@@ -124,4 +124,11 @@ TEST(Bootstrap, StoresListenOnLoopbackForALoopbackEndpointAndOnTheGivenLocalAddr
   EXPECT_EQ(plan.me.address, "192.0.2.8");
 }
 
+TEST(Bootstrap, TheRunIdDefaultsToTorchrunsNoneOutsideSlurm) {
+  DetectedEnv env;
+  auto o = overrides("localhost:29500");
+  o.run_id = "";
+  EXPECT_EQ(plan_bootstrap(env, o).run_id, "none");
+}
+
 }  // namespace
