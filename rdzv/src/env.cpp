@@ -56,6 +56,9 @@ std::optional<int> int_var_any(const EnvMap& env, std::initializer_list<std::str
 
 std::vector<std::string> expand_or_throw(const HostlistExpander& expand, std::string_view name,
                                          std::string_view expression) {
+  if (auto n = hostlist_size(expression); n && *n > kMaxHostlistNodes)
+    fail("{}='{}' names more than {} nodes; elastrun refuses to expand it (fix or unset it)", name,
+         expression.substr(0, 80), kMaxHostlistNodes);
   auto hosts = expand(expression);
   if (!hosts || hosts->empty())
     fail("{}='{}' is not a valid Slurm hostlist (e.g. n[1-4],gpu01); fix or unset it", name, expression);
@@ -399,6 +402,39 @@ Endpoint propose_endpoint(std::string_view host, std::uint64_t job_id, std::uint
   for (int i = 1; i <= kPortFallbacks; ++i)
     e.fallback_ports.push_back(static_cast<std::uint16_t>(kPortBase + (slot + i) % kPortSpan));
   return e;
+}
+
+std::optional<std::uint64_t> hostlist_size(std::string_view text) {
+  constexpr std::uint64_t cap = kMaxHostlistNodes + 1;
+  std::uint64_t total = 0, term = 1;
+  bool in_term = false;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == ',') {  // a comma outside brackets ends a term
+      if (in_term) total = std::min(cap, total + term);
+      term = 1, in_term = false;
+    } else if (c == '[') {
+      const auto close = text.find(']', i);
+      if (close == std::string_view::npos) return std::nullopt;
+      std::uint64_t names = 0;
+      for (auto range : util::split_list(text.substr(i + 1, close - i - 1))) {
+        const auto dash = range.find('-');
+        auto lo = util::parse_integer<std::uint64_t>(range.substr(0, dash));
+        auto hi = dash == std::string_view::npos ? lo : util::parse_integer<std::uint64_t>(range.substr(dash + 1));
+        if (!lo || !hi || *hi < *lo) return std::nullopt;
+        names = std::min(cap, names + (*hi - *lo + 1));
+      }
+      term = std::min(cap, term * std::max<std::uint64_t>(names, 1));
+      in_term = true;
+      i = close;
+    } else if (c == ']') {
+      return std::nullopt;
+    } else if (c != ' ') {
+      in_term = true;
+    }
+  }
+  if (in_term) total = std::min(cap, total + term);
+  return total;
 }
 
 DetectedEnv detect_environment(const EnvMap& env, const HostlistExpander& expand_hostlist) {

@@ -1,5 +1,7 @@
 #include "elastrun/rdzv/hostlist.hpp"
 
+#include "elastrun/rdzv/env.hpp"
+
 #include <slurm/slurm.h>
 
 #include <cstdlib>
@@ -55,6 +57,7 @@ std::optional<std::vector<std::string>> expand_hostlist(std::string_view express
   // libslurm accepts an empty string as an empty list; an empty node list is an error for us.
   if (text.find_first_not_of(" \t,") == std::string::npos) return std::nullopt;
   if (!ranges_well_formed(text)) return std::nullopt;
+  if (auto n = hostlist_size(text); !n || *n > kMaxHostlistNodes) return std::nullopt;  // never expand 10^8 names
   HostlistPtr list(slurm_hostlist_create(text.c_str()));
   if (!list) return std::nullopt;
   std::vector<std::string> hosts;

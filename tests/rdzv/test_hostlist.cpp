@@ -1,9 +1,16 @@
 #include <gtest/gtest.h>
 
+#include <chrono>
+
+#include "elastrun/rdzv/env.hpp"
 #include "elastrun/rdzv/hostlist.hpp"
 
 using elastrun::rdzv::compress_hostlist;
+using elastrun::rdzv::detect_environment;
+using elastrun::rdzv::EnvError;
 using elastrun::rdzv::expand_hostlist;
+using elastrun::rdzv::hostlist_size;
+using elastrun::rdzv::kMaxHostlistNodes;
 using Hosts = std::vector<std::string>;
 
 struct HostlistCase {
@@ -32,6 +39,31 @@ INSTANTIATE_TEST_SUITE_P(Table, HostlistExpand,
 TEST(Hostlist, RejectsMalformedExpressions) {
   for (const char* bad : {"", "   ", "n[1-", "n[4-1]", "n[a-b]", "n]1[", "n[[1]", "n[1-2]]", "n[]", "n[1,,2]", "n[-2]"})
     EXPECT_FALSE(expand_hostlist(bad).has_value()) << "'" << bad << "' was accepted";
+}
+
+TEST(Hostlist, SizeIsCountedWithoutExpanding) {
+  EXPECT_EQ(hostlist_size("n[1-4],gpu[01-02]"), 6u);
+  EXPECT_EQ(hostlist_size("a,b,c[1,3-4]"), 5u);
+  EXPECT_EQ(hostlist_size("rack[1-2]n[1-3]"), 6u);
+  EXPECT_FALSE(hostlist_size("n[4-1]"));
+  // 10^8 names: counted in no time, and neither the expander nor the environment expands them
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_GT(*hostlist_size("a[1-1000]b[1-1000]c[1-100]"), kMaxHostlistNodes);
+  EXPECT_FALSE(expand_hostlist("a[1-1000]b[1-1000]c[1-100]"));
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  try {
+    detect_environment({{"SLURM_JOB_ID", "1"},
+                        {"SLURM_STEP_ID", "0"},
+                        {"SLURM_PROCID", "0"},
+                        {"SLURM_NTASKS", "1"},
+                        {"SLURM_STEP_NUM_TASKS", "1"},
+                        {"SLURM_STEP_NODELIST", "a[1-1000]b[1-1000]c[1-100]"},
+                        {"SLURM_JOB_NODELIST", "a[1-1000]b[1-1000]c[1-100]"}},
+                       expand_hostlist);
+    ADD_FAILURE() << "a node list of 10^8 names was accepted";
+  } catch (const EnvError& e) {
+    EXPECT_NE(std::string(e.what()).find("names more than 100000 nodes"), std::string::npos) << e.what();
+  }
 }
 
 TEST(Hostlist, CompressIsInverseOfExpand) {

@@ -118,6 +118,7 @@ TASK="$TESTS_DIR/torch_env_task.py"
 no_leftovers() { [[ -z $(elastic_leftovers) ]]; }
 
 # Checks the workers' JSON records of an --elastic run: check_elastic DIR WORLD NPROC NODES...
+# (the steps pin their nodes with -w: Slurm may place an unpinned 2-node step on n1,n3)
 # (the workers with WORLD_SIZE=WORLD: ranks 0..WORLD-1 in node order, one master and run id)
 check_elastic() {
   /usr/bin/python3 - "$@" <<'PY'
@@ -146,7 +147,7 @@ elastic_kill() {
   local victim=$1 survivors=("$2" "$3") killed
   mkdir -p "$out/kill"
   TEST_WORKER_OUT_DIR=$out/kill TEST_WORKER_SLEEP=300 TEST_WORKER_SLEEP_WORLD_SIZE=6 \
-    srun --no-kill -N3 --ntasks-per-node=1 --elastic=2:3 --elastic-nproc=2 "$TEST_WORKER" \
+    srun --no-kill -N3 -w 'n[1-3]' --ntasks-per-node=1 --elastic=2:3 --elastic-nproc=2 "$TEST_WORKER" \
     >"$out/kill.log" 2>&1 &
   srun_pid=$!
   track_pid "$srun_pid"
@@ -297,7 +298,7 @@ site)
   ;;
 elastic)
   mkdir -p "$out/ok" "$out/ok2" "$out/env"
-  TEST_WORKER_OUT_DIR=$out/ok timeout 300 srun -N3 --ntasks-per-node=1 --elastic=2:3 \
+  TEST_WORKER_OUT_DIR=$out/ok timeout 300 srun -N3 -w 'n[1-3]' --ntasks-per-node=1 --elastic=2:3 \
     "$TEST_WORKER" a1 --nnodes 7 >"$out/ok.log" 2>&1 || fail "srun --elastic=2:3 exited $?"
   check_elastic "$out/ok" 3 1 n1 n2 n3
   [[ $(grep -c "done; exiting 0" "$out/ok.log") -eq 3 ]] || fail "not 3 agents exited 0"
@@ -309,12 +310,12 @@ elastic)
   echo "ok: srun --elastic=2:3 -N3: one agent per node, 3 workers, arguments untouched, nothing left"
   # --elastic-nproc=2 alone (implies --elastic with the step's node count), the environment form
   TEST_WORKER_OUT_DIR=$out/ok2 SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_elastic_nproc=2 timeout 300 \
-    srun -N3 --ntasks-per-node=1 "$TEST_WORKER" >"$out/ok2.log" 2>&1 || fail "srun (elastic_nproc=2 by environment) exited $?"
+    srun -N3 -w 'n[1-3]' --ntasks-per-node=1 "$TEST_WORKER" >"$out/ok2.log" 2>&1 || fail "srun (elastic_nproc=2 by environment) exited $?"
   check_elastic "$out/ok2" 6 2 n1 n2 n3
   grep -q "nodes 3:3, 2 worker(s) per node" "$out/ok2.log" || fail "the agents did not default to the step's 3 nodes"
   # --export=VAR (only VAR and SLURM_* pass, like --export=NONE): SLURM_ELASTRUN_* reach the tasks
   mkdir -p "$out/none"
-  env TEST_WORKER_OUT_DIR=$out/none timeout 300 srun --export=TEST_WORKER_OUT_DIR -N2 --ntasks-per-node=1 \
+  env TEST_WORKER_OUT_DIR=$out/none timeout 300 srun --export=TEST_WORKER_OUT_DIR -N2 -w 'n[1-2]' --ntasks-per-node=1 \
     --elastic "$TEST_WORKER" >"$out/none.log" 2>&1 || fail "srun --export=TEST_WORKER_OUT_DIR --elastic exited $?"
   check_elastic "$out/none" 2 1 n1 n2
   wait_for 60 no_leftovers || fail "left behind after the --elastic-nproc step: $(elastic_leftovers)"

@@ -33,6 +33,13 @@ class EnvError : public std::runtime_error {
 // Returns std::nullopt when the expression cannot be parsed.
 using HostlistExpander = std::function<std::optional<std::vector<std::string>>(std::string_view expression)>;
 
+// How many names a hostlist expression stands for, counted from its brackets without expanding
+// them ("a[1-1000]b[1-1000]" is 10^6; the count saturates just above kMaxHostlistNodes), or
+// std::nullopt if the brackets are malformed. Expansion is refused above the limit: a node list
+// that large is a mistake (or an attack), and expanding it would take minutes and gigabytes.
+inline constexpr std::uint64_t kMaxHostlistNodes = 100'000;
+std::optional<std::uint64_t> hostlist_size(std::string_view expression);
+
 // Parses Slurm's compressed task counts: "2(x3),1" -> {2,2,2,1}.
 // Throws std::invalid_argument with a description of the offending element.
 std::vector<int> parse_tasks_per_node(std::string_view spec);
