@@ -86,7 +86,11 @@ void Agent::bootstrap() {
   if (standalone) {
     plan_ = plan_standalone(env_, overrides);
   } else {
-    plan_ = plan_bootstrap(env_, overrides);
+    try {
+      plan_ = plan_bootstrap(env_, overrides);
+    } catch (const RendezvousError& e) {
+      throw UsageError(e.what());  // no endpoint, an endpoint that does not resolve: fix the line (exit 2)
+    }
     const int step_nodes = env_.slurm ? env_.placement.num_nodes : 1;
     min_nodes_ = o_.min_nodes.value_or(step_nodes);
     max_nodes_ = o_.max_nodes.value_or(std::max(step_nodes, min_nodes_));

@@ -172,9 +172,21 @@ StoreConnector store_connector(const AuthConfig& auth, const std::string& run_id
 std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const AuthConfig& auth, Millis patience) {
   std::vector<std::uint16_t> ports{plan.store_port};
   ports.insert(ports.end(), plan.fallback_ports.begin(), plan.fallback_ports.end());
-  const auto deadline = std::chrono::steady_clock::now() + patience;
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + patience;
+  auto next_report = start + std::chrono::seconds(3);
   std::string last_error;
   for (int attempt = 0;; ++attempt) {
+    if (const auto now = std::chrono::steady_clock::now(); attempt > 0 && now >= next_report) {
+      // Say so within seconds, not at join_timeout: nobody may be hosting the store at all.
+      spdlog::warn(
+          "[rdzv] still no rendezvous store for run '{}' at {}:{} after {} s ({}); the agent on {} hosts it "
+          "(or the one with --rdzv-conf is_host=1); retrying until {} s",
+          plan.run_id, plan.store_host, plan.store_port,
+          std::chrono::duration_cast<std::chrono::seconds>(now - start).count(), last_error, plan.store_host,
+          std::chrono::duration_cast<std::chrono::seconds>(patience).count());
+      next_report = now + std::chrono::seconds(10);
+    }
     for (auto port : ports) {
       try {
         return std::make_unique<StoreClient>(plan.store_address, port, auth, plan.run_id, Millis(2000));

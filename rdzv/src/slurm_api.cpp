@@ -3,7 +3,9 @@
 #include <netdb.h>
 #include <slurm/slurm.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -20,7 +22,22 @@ struct NodeInfoDeleter {
   void operator()(node_info_msg_t* m) const { slurm_free_node_info_msg(m); }
 };
 
+// libslurm with no configuration to read (no $SLURM_CONF, no slurm.conf, no configless cache)
+// tries DNS SRV records and then calls fatal(), which exits the process with three log lines:
+// outside a Slurm cluster there is simply nobody to ask.
+bool slurm_config_available() {
+  static const bool available = [] {
+    const char* conf = std::getenv("SLURM_CONF");
+    if (conf && *conf) return ::access(conf, R_OK) == 0;
+    for (const char* path : {"/etc/slurm/slurm.conf", "/run/slurm/conf/slurm.conf", "/var/run/slurm/conf/slurm.conf"})
+      if (::access(path, R_OK) == 0) return true;
+    return false;
+  }();
+  return available;
+}
+
 std::unique_ptr<node_info_msg_t, NodeInfoDeleter> load_node(const std::string& name) {
+  if (!slurm_config_available()) return nullptr;
   init_once();
   node_info_msg_t* raw = nullptr;
   std::vector<char> writable(name.begin(), name.end());

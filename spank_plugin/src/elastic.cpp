@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cctype>
 
 namespace elastrun::spank {
@@ -11,6 +12,17 @@ bool safe_token(std::string_view text) {
   for (char c : text)
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') return false;
   return true;
+}
+
+bool srun_option_given(const std::vector<std::string>& srun_argv, const std::vector<std::string>& program_argv,
+                       std::string_view option) {
+  std::size_t options_end = srun_argv.size();
+  if (!program_argv.empty() && program_argv.size() <= srun_argv.size() &&
+      std::equal(program_argv.rbegin(), program_argv.rend(), srun_argv.rbegin()))
+    options_end = srun_argv.size() - program_argv.size();
+  for (std::size_t i = 1; i < options_end; ++i)
+    if (srun_argv[i] == option || srun_argv[i].starts_with(std::string(option) + "=")) return true;
+  return false;
 }
 
 std::vector<std::string> agent_flags(const AgentPlan& plan) {

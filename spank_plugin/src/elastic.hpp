@@ -53,4 +53,10 @@ bool is_job_dir_name(std::string_view name, std::uint32_t job);
 // A node name or value safe to put into a file name / a single flag token.
 bool safe_token(std::string_view text);
 
+// Whether srun's own command line `srun_argv` (its /proc/self/cmdline) gives `option` (e.g.
+// "--multi-prog") among srun's options, i.e. before the step's program `program_argv` (S_JOB_ARGV),
+// which ends the command line; the program's own arguments are never looked at.
+bool srun_option_given(const std::vector<std::string>& srun_argv, const std::vector<std::string>& program_argv,
+                       std::string_view option);
+
 }  // namespace elastrun::spank

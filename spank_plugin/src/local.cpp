@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <thread>
@@ -185,8 +186,28 @@ void set_env(const char* name, const std::string& value) {
     throw std::runtime_error(fmt::format("setenv({}): {}", name, std::strerror(errno)));
 }
 
+// srun's own command line, from /proc/self/cmdline (the plugin runs inside srun here).
+std::vector<std::string> own_command_line() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::vector<std::string> args;
+  for (std::string arg; std::getline(in, arg, '\0');) args.push_back(arg);
+  return args;
+}
+
 int elastic_user_init(spank_t sp) {
   const auto& s = state();
+  {
+    // With --multi-prog slurmstepd execs each task's own line of the config file: the agent
+    // could not wrap them, and the tasks would run bare with no torch environment.
+    int argc = 0;
+    char** argv = nullptr;
+    std::vector<std::string> program;
+    if (spank_get_item(sp, S_JOB_ARGV, &argc, &argv) == ESPANK_SUCCESS && argv) program.assign(argv, argv + argc);
+    if (srun_option_given(own_command_line(), program, "--multi-prog")) {
+      log_error("--elastic does not support --multi-prog (each task would run without the agent); run one program");
+      return -1;
+    }
+  }
   const uint32_t job = get_u32(sp, S_JOB_ID, "S_JOB_ID");
   const uint32_t step = get_u32(sp, S_JOB_STEPID, "S_JOB_STEPID");
   const uint32_t nnodes = get_u32(sp, S_JOB_NNODES, "S_JOB_NNODES");

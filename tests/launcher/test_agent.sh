@@ -84,7 +84,14 @@ static_form)
   [[ -n $f ]] || fail "rank 1 did not run"
   [[ $(json "$f" 'd["WORLD_SIZE"], d["TORCHELASTIC_RUN_ID"]') == "('2', 'none')" ]] || fail "rank 1 env: $(cat "$f")"
   grep -q "hosted here), store localhost:$port" "$work/stderr" || fail "this agent did not host the store on localhost:$port"
-  echo "ok: the static form runs with torchrun's default run id"
+  # nobody hosts the store: a progress line within seconds, then the error at join_timeout
+  "$elastrun" --nnodes=1 --rdzv-endpoint=127.0.0.1:"$port" --rdzv-conf=is_host=0,join_timeout=6 "$worker" \
+    >"$work/stdout" 2>"$work/stderr"
+  rc=$?
+  ((rc == 1)) || fail "no store: exit $rc, expected 1"
+  grep -q "still no rendezvous store for run 'none' at 127.0.0.1:$port after [3-5] s" "$work/stderr" ||
+    fail "no early progress line: $(cat "$work/stderr")"
+  echo "ok: the static form runs with torchrun's default run id; a missing store is reported within seconds"
   ;;
 restart)
   TEST_WORKER_FAIL_RANK=1 TEST_WORKER_FAIL_ONCE=$work/failed-once TEST_WORKER_EXIT_CODE=5 \
@@ -138,6 +145,7 @@ bad_flags)
   check "--rdzv-auth='maybe'" --standalone --rdzv-auth=maybe "$worker"
   check "--rdzv-id=" --standalone --rdzv-id="$(printf 'x%.0s' {1..300})" "$worker"
   check "--nnodes is empty" --nnodes "" "$worker"
+  check "resolves neither" --nnodes=2 --rdzv-endpoint=nosuchhost.invalid:29400 --rdzv-id=x "$worker"
   check "--max-restarts" --max-restarts=-1 "$worker"
   "$elastrun" --help >"$work/stdout" 2>&1 || fail "--help failed"
   for f in --nnodes --nproc-per-node --rdzv-backend --rdzv-endpoint --rdzv-id --rdzv-conf --standalone \

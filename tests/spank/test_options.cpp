@@ -36,6 +36,15 @@ TEST(ElasticOption, Ranges) {
   EXPECT_EQ(parse_elastic("(null)"), (ElasticRange{}));
 }
 
+TEST(ElasticSrunLine, MultiProgIsSeenAmongSrunsOptionsOnly) {
+  using elastrun::spank::srun_option_given;
+  EXPECT_TRUE(srun_option_given({"srun", "-N2", "--elastic", "--multi-prog", "mp.conf"}, {"mp.conf"}, "--multi-prog"));
+  EXPECT_FALSE(srun_option_given({"srun", "-N2", "--elastic", "train", "--multi-prog"}, {"train", "--multi-prog"},
+                                 "--multi-prog"))
+      << "the program's own argument";
+  EXPECT_FALSE(srun_option_given({"srun", "--elastic", "train"}, {"train"}, "--multi-prog"));
+}
+
 TEST(ElasticOption, Invalid) {
   for (const char* bad : {"x", "5:", ":5", "0:2", "2:0", "-1:2", "2:4:6", "1.5", " 2:4", "2:4x", "99999999999:1"})
     EXPECT_THROW(parse_elastic(bad), OptionError) << bad;

@@ -256,6 +256,8 @@ errors)
   expect_refused "--elastic and --torch-env exclude each other" srun -N1 -n1 --torch-env --elastic-nproc=2 echo LAUNCHED
   expect_refused "applies to a job step" sbatch --elastic=2:3 --wrap "echo LAUNCHED"
   expect_refused "--torch-env='maybe'" srun -N1 -n1 --torch-env=maybe echo LAUNCHED
+  printf '0 echo LAUNCHED\n' >"$out/multi-prog.conf"
+  expect_refused "does not support --multi-prog" srun -N1 -n1 --elastic --multi-prog "$out/multi-prog.conf"
   expect_refused "MIN \(3\) is greater" env SLURM_SPANK__SLURM_SPANK_OPTION_elastrun_elastic=3:1 \
     srun -N1 -n1 echo LAUNCHED
   expect_refused "MIN \(5\) is greater" sbatch --elastic=5:2 --wrap "echo LAUNCHED"
