@@ -5,6 +5,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -240,8 +241,9 @@ StreamSpec parse_stream_spec(const std::string& flag, const std::string& text) {
   return spec;
 }
 
-ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::string, std::string>& pet,
-                                 AgentOptions& o) {
+namespace {
+
+ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::string, std::string>& pet, AgentOptions& o) {
   CLI::App app{"elastrun: elastic agent for PyTorch training on Slurm (torchrun-compatible)", "elastrun"};
   app.prefix_command();  // the first positional is the program; everything after it is its own
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -422,6 +424,37 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
   const char* python = std::getenv("ELASTRUN_PYTHON");
   o.python = python && *python ? python : "python3";
   return ParseOutcome::Run;
+}
+
+}  // namespace
+
+ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::string, std::string>& pet,
+                                 AgentOptions& o) {
+  try {
+    return parse_command_line(argc, argv, pet, o);
+  } catch (const UsageError& e) {
+    // A bad value that came from a PET_<FLAG> variable (no such flag on the line) names the
+    // variable: the user never typed the flag the message would otherwise name.
+    const std::string what = e.what();
+    for (const auto& [key, value] : pet) {
+      std::string flag = "--" + key;
+      std::replace(flag.begin(), flag.end(), '_', '-');
+      if (what.find(flag + "=") == std::string::npos && what.find(flag + " ") == std::string::npos) continue;
+      std::string underscored = flag;
+      std::replace(underscored.begin(), underscored.end(), '-', '_');
+      bool on_line = false;
+      for (int i = 1; i < argc && !on_line; ++i) {
+        const std::string_view arg = argv[i];
+        for (const auto& f : {flag, underscored}) on_line = on_line || arg == f || arg.starts_with(f + "=");
+      }
+      if (on_line) continue;
+      std::string name = key;
+      std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return std::toupper(c); });
+      throw UsageError(
+          fmt::format("PET_{}='{}' (the default for {}): {}", name, util::printable(value, 60), flag, what));
+    }
+    throw;
+  }
 }
 
 }  // namespace elastrun::launcher

@@ -176,7 +176,12 @@ TEST(Options, BadValuesAreOneLineErrorsNamingTheFlag) {
     const auto error = refusal(args);
     EXPECT_NE(error.find(want), std::string::npos) << "error '" << error << "' lacks '" << want << "'";
   }
-  EXPECT_NE(refusal({"p"}, {{"nnodes", "x"}}).find("--nnodes='x'"), std::string::npos);
+  EXPECT_NE(refusal({"p"}, {{"nnodes", "x"}}).find("PET_NNODES='x' (the default for --nnodes): --nnodes='x'"),
+            std::string::npos)
+      << "a bad PET_ value names the variable";
+  EXPECT_EQ(refusal({"--nnodes=y", "p"}, {{"nnodes", "x"}}).find("PET_"), std::string::npos)
+      << "the flag on the line is what was wrong";
+  EXPECT_NE(refusal({"p"}, {{"nproc_per_node", "0"}}).find("PET_NPROC_PER_NODE='0'"), std::string::npos);
 }
 
 TEST(Options, HetNnodesPerComponent) {
