@@ -164,7 +164,8 @@ State Agent::start_workers() {
   for (const auto& spec : specs) error_files_.push_back(spec.error_file);
   attempt_exits_.clear();
   signals_.set_workers_active(true);
-  group_.emplace(std::move(specs));
+  if (!watchdog_) watchdog_.emplace(o_.stop_grace);  // forked once, before the first workers
+  group_.emplace(std::move(specs), &*watchdog_);
   std::string pids;
   for (auto p : group_->pids()) pids += fmt::format("{}{}", pids.empty() ? "" : ",", p);
   log_state("START_WORKERS", fmt::format("attempt {} restart {}: {} worker(s) pids {} ({})", attempt_, restart_count_,

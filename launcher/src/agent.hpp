@@ -134,6 +134,7 @@ class Agent {
   std::int64_t restart_count_ = 0;
   FailureReport failures_;
   EventLog events_;
+  std::optional<Watchdog> watchdog_;  // before group_: the group holds a pointer to it
   std::optional<WorkerGroup> group_;
   std::vector<std::string> error_files_;      // this attempt's, by local rank
   std::vector<WorkerExit> attempt_exits_;     // this attempt's exits seen in MONITOR

@@ -91,15 +91,16 @@ struct Stream {
 // We are a child subreaper: descendants of the workers that left their process group (setsid,
 // double fork) are reparented to us when their parent dies. Once the workers are gone every
 // remaining child is such an orphan: SIGKILL and reap them, repeatedly (their own children are
-// reparented to us in turn).
-void kill_adopted_orphans() {
+// reparented to us in turn) -- all but `keep`, the agent's own watchdog.
+void kill_adopted_orphans(pid_t keep) {
   for (int round = 0; round < 64; ++round) {
     std::vector<pid_t> children;
     std::error_code ec;
     for (const auto& task : std::filesystem::directory_iterator("/proc/self/task", ec)) {
       std::ifstream in(task.path() / "children");
       pid_t pid = 0;
-      while (in >> pid) children.push_back(pid);
+      while (in >> pid)
+        if (pid != keep) children.push_back(pid);
     }
     if (children.empty()) return;
     for (pid_t pid : children) {
@@ -155,6 +156,7 @@ struct WorkerGroup::Impl {
   std::atomic<bool> relay_stop{false};
   std::atomic<bool> relay_done{false};
   bool stopped = false;
+  Watchdog* watchdog = nullptr;  // ends the groups if the agent dies (may be null)
 
   void relay_loop();
   void stop_relay(std::chrono::milliseconds patience);
@@ -288,6 +290,7 @@ void WorkerGroup::Impl::spawn(Worker& w) {
   w.pid = pid;
   if (::setpgid(pid, pid) != 0 && errno != EACCES && errno != ESRCH)
     spdlog::warn("warning: setpgid({}): {}", pid, std::strerror(errno));
+  if (watchdog) watchdog->watch(pid);
   out_w.reset();
   err_w.reset();
   exec_w.reset();
@@ -311,7 +314,8 @@ void WorkerGroup::Impl::spawn(Worker& w) {
   streams.push_back({std::move(err_r), w.spec.console_stderr ? 2 : -1, open_log(w.spec.stderr_file), prefix, {}});
 }
 
-WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs) : impl_(std::make_unique<Impl>()) {
+WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, Watchdog* watchdog) : impl_(std::make_unique<Impl>()) {
+  impl_->watchdog = watchdog;
   int wake[2];
   if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) throw_errno("pipe2");
   impl_->wake_read = UniqueFd(wake[0]);
@@ -399,7 +403,10 @@ std::vector<WorkerExit> WorkerGroup::stop(std::chrono::milliseconds grace) {
     }
   }
   for (auto& e : poll_exits()) exits.push_back(std::move(e));  // reparented grandchildren
-  kill_adopted_orphans();
+  kill_adopted_orphans(impl_->watchdog ? impl_->watchdog->pid() : -1);
+  if (impl_->watchdog)
+    for (const auto& w : impl_->workers)
+      if (w.pid > 0) impl_->watchdog->forget(w.pid);
   impl_->stop_relay(std::chrono::milliseconds(2000));
   return exits;
 }

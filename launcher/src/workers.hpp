@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "watchdog.hpp"
+
 namespace elastrun::launcher {
 
 struct WorkerSpec {
@@ -43,7 +45,8 @@ class WorkerGroup {
  public:
   // Starts every worker; throws std::system_error / std::runtime_error (already started workers
   // are stopped by the destructor of the partially built group).
-  explicit WorkerGroup(std::vector<WorkerSpec> specs);
+  // With a watchdog, each worker's process group is registered with it (and forgotten once stopped).
+  explicit WorkerGroup(std::vector<WorkerSpec> specs, Watchdog* watchdog = nullptr);
   ~WorkerGroup();
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;

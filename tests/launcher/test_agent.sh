@@ -13,6 +13,8 @@
 #   orphans    a worker leaves a setsid'd grandchild behind: the agent (child subreaper) kills it
 #   etcd       two agents with --rdzv-backend=etcd against a private etcd (skipped, 77, without etcd)
 #   static_form  --nnodes=1 --master-addr=localhost --master-port=P --node-rank=0 (no --rdzv-id): runs, run id 'none'
+#   agent_killed kill -9 of the agent whose workers run under `sh` wrappers deaf to SIGTERM: the
+#              watchdog ends their process groups (SIGTERM, then SIGKILL after --stop-grace)
 #   two_agents two agents on this machine (--rdzv-endpoint, no Slurm): a worker failure on one
 #              restarts both (RESTART_COUNT=1); kill -9 of one -> the other re-forms alone and finishes
 set -uo pipefail
@@ -226,6 +228,24 @@ log_dir)
   grep -q '^\[rank 1\] stderr' "$work/stderr" || fail "rank 1 stderr not on the console"
   grep -q '^\[rank 0\]' "$work/stderr" && fail "--local-ranks-filter 1 let rank 0 through"
   echo "ok: log dir, tee, redirects, local ranks filter"
+  ;;
+agent_killed)
+  # kill -9 of the agent: workers started through a shell wrapper (PDEATHSIG reaches only the
+  # wrapper) and deaf to SIGTERM must still die -- the agent's watchdog ends their process groups
+  printf '#!/bin/sh\ntrap "" TERM\n"%s" "$@"\necho done\n' "$worker" >"$work/wrapper.sh"
+  chmod +x "$work/wrapper.sh"
+  TEST_WORKER_SLEEP=120 "$elastrun" --standalone --nproc-per-node 2 --stop-grace 1 --no-python "$work/wrapper.sh" \
+    >"$work/stdout" 2>"$work/stderr" &
+  agent_pid=$!
+  track_pid "$agent_pid"
+  wait_for -i 0.1 20 have_files 2 "$work/out/pids/*" || fail "2 workers did not start"
+  watchdog=$(pgrep -P "$agent_pid" -x elastrun-wdog) || fail "no watchdog process under the agent"
+  kill -9 "$agent_pid"
+  await "$agent_pid" || true
+  wait_for -i 0.2 15 no_alive_workers || fail "workers outlived their killed agent: $(alive_workers)"
+  wait_for -i 0.2 15 exited "$watchdog" || fail "the watchdog $watchdog did not exit"
+  grep -q "elastrun watchdog\] the agent is gone" "$work/stderr" || fail "no watchdog message"
+  echo "ok: kill -9 of the agent: the wrapped workers died with it, and so did the watchdog"
   ;;
 orphans)
   TEST_WORKER_SPAWN_ORPHAN=1 "$elastrun" --standalone --nproc-per-node 2 "$worker" >"$work/stdout" 2>"$work/stderr"

@@ -1,0 +1,36 @@
+// The guarantee "no orphans, ever" when the agent itself dies (kill -9, the OOM killer): a small
+// process forked by the agent that outlives it. The agent registers each worker's process group
+// over a pipe; when the pipe reaches end of file (the agent is gone, or closed it on its way
+// out), the watchdog sends SIGTERM to every group still registered, waits up to the grace, sends
+// SIGKILL, and exits. PR_SET_PDEATHSIG reaches only a worker itself; a group signal also reaches
+// what the worker started in its group (`sh -c 'train ...; echo done'`). A future per-node
+// preloader registers the groups of the processes it forks the same way.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+
+#include "elastrun/util/unique_fd.hpp"
+
+namespace elastrun::launcher {
+
+class Watchdog {
+ public:
+  // Forks the watchdog process; throws std::system_error.
+  explicit Watchdog(std::chrono::milliseconds grace);
+  ~Watchdog();  // closes the pipe (the watchdog ends what is still registered, then exits) and reaps it
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  void watch(pid_t process_group);   // a worker's process group, from its start
+  void forget(pid_t process_group);  // the group is gone (stopped and reaped by the agent)
+  pid_t pid() const { return pid_; }
+
+ private:
+  void send(int op, pid_t process_group);
+  util::UniqueFd pipe_;
+  pid_t pid_ = -1;
+};
+
+}  // namespace elastrun::launcher
