@@ -242,7 +242,7 @@ int main(int argc, char** argv) {
   for (bool verify : {true, false}) {
     comm.barrier();
     start = Clock::now();
-    const auto restored = restore_latest(root, targets, comm, RestoreOptions{verify, 1});
+    const auto restored = restore_latest(root, targets, comm, RestoreOptions{verify, 1, {}});
     if (!restored && rank == 0) fmt::print("load FAILED: the newest step did not restore\n");
     load_rate[verify ? 0 : 1] = report(verify ? "load (verify hashes)" : "load (no verify)", seconds_since(start));
   }

@@ -200,7 +200,13 @@ Checkpoint::Checkpoint(fs::path step_dir) : state_(std::make_unique<State>()) {
   try {
     h5::Lock lock(h5::library_mutex());
     if (!fs::exists(index_path)) throw CheckpointError("file missing");
-    state_->manifest = json::parse(read_manifest_text(index_path));
+    // Bounded nesting: dumping or destroying a 100 000-deep document recurses off the stack
+    // (elastrun-ckpt inspect and export crashed on one); no manifest of ours is deeper than 8.
+    static constexpr int kMaxManifestDepth = 64;
+    state_->manifest = json::parse(read_manifest_text(index_path), [](int depth, json::parse_event_t, json&) {
+      if (depth > kMaxManifestDepth) bad(fmt::format("manifest nested deeper than {} levels", kMaxManifestDepth));
+      return true;
+    });
     const json& m = state_->manifest;
     if (!m.is_object()) bad("manifest is not a JSON object");
     if (string_field(m, "format", "manifest") != detail::kFormatName) {
@@ -260,7 +266,8 @@ const std::vector<TensorInfo>& Checkpoint::tensors() const { return state_->tens
 const TensorInfo& Checkpoint::tensor(const std::string& name) const {
   auto it = state_->by_name.find(name);
   if (it == state_->by_name.end()) {
-    throw CheckpointError(fmt::format("{}: no tensor named '{}' in this checkpoint", state_->path.string(), name));
+    throw CheckpointMismatchError(
+        fmt::format("{}: no tensor named '{}' in this checkpoint", state_->path.string(), name));
   }
   return state_->tensors[it->second];
 }
@@ -397,13 +404,13 @@ void Checkpoint::check_read(const TensorTarget& target, const ReadOptions& optio
   const TensorInfo& tensor = this->tensor(target.name);
   const std::size_t ndim = tensor.shape.size();
   if (target.dtype != tensor.dtype) {
-    throw CheckpointError(
+    throw CheckpointMismatchError(
         fmt::format("{}: tensor '{}' is {} but the target is {}; convert after "
                     "loading",
                     state_->path.string(), target.name, dtype_name(tensor.dtype), dtype_name(target.dtype)));
   }
   if (target.offset.size() != ndim || target.extent.size() != ndim) {
-    throw CheckpointError(
+    throw CheckpointMismatchError(
         fmt::format("{}: tensor '{}' has shape {} but the target box has {} "
                     "dimensions",
                     state_->path.string(), target.name, detail::shape_string(tensor.shape), target.extent.size()));
@@ -411,7 +418,7 @@ void Checkpoint::check_read(const TensorTarget& target, const ReadOptions& optio
   for (std::size_t d = 0; d < ndim; ++d) {
     const auto end = detail::checked_add(target.offset[d], target.extent[d]);
     if (!end || *end > tensor.shape[d]) {
-      throw CheckpointError(
+      throw CheckpointMismatchError(
           fmt::format("{}: target box offset {} extent {} is outside tensor "
                       "'{}' of shape {}",
                       state_->path.string(), detail::shape_string(target.offset), detail::shape_string(target.extent),
@@ -506,8 +513,8 @@ namespace {
 
 // One rank's outcome of a restore phase, as it travels to rank 0 (gather of strings).
 struct RankAttempt {
-  enum class Outcome { Ok, Corrupt, Error };
-  Outcome outcome = Outcome::Ok;  // Corrupt: try an older step; Error: a caller mistake
+  enum class Outcome { Ok, Corrupt, Error, Mismatch };
+  Outcome outcome = Outcome::Ok;  // Corrupt, Mismatch: try an older step; Error: a caller mistake
   std::string why;
 
   // Invalid UTF-8 in a message (a damaged file's bytes) is replaced, never thrown about.
@@ -528,6 +535,11 @@ RankAttempt attempt(const Action& action) {
     return {};
   } catch (const CorruptCheckpointError& e) {
     return {RankAttempt::Outcome::Corrupt, e.what()};
+  } catch (const CheckpointMismatchError& e) {
+    return {RankAttempt::Outcome::Mismatch, e.what()};
+  } catch (const nlohmann::json::exception& e) {
+    // a manifest field of the wrong type that slipped past the index checks: damage, not a bug
+    return {RankAttempt::Outcome::Corrupt, fmt::format("damaged checkpoint metadata ({})", e.what())};
   } catch (const std::exception& e) {
     return {RankAttempt::Outcome::Error, e.what()};
   }
@@ -539,15 +551,16 @@ struct RestoreVote {
   Action action = Action::Go;
   std::vector<std::string> skipped;  // Skip: "rank R: why", one per rank that found damage
   std::string error;                 // Fail
+  std::string mismatch;              // Skip: the first rank's mismatch, if that was the reason
 
   std::string encode() const {
-    return json{{"action", static_cast<int>(action)}, {"skipped", skipped}, {"error", error}}.dump(
-        -1, ' ', false, json::error_handler_t::replace);
+    return json{{"action", static_cast<int>(action)}, {"skipped", skipped}, {"error", error}, {"mismatch", mismatch}}
+        .dump(-1, ' ', false, json::error_handler_t::replace);
   }
   static RestoreVote decode(const std::string& text) {
     const auto j = json::parse(text);
     return {static_cast<Action>(j.at("action").get<int>()), j.at("skipped").get<std::vector<std::string>>(),
-            j.at("error").get<std::string>()};
+            j.at("error").get<std::string>(), j.at("mismatch").get<std::string>()};
   }
 };
 
@@ -558,11 +571,16 @@ RestoreVote decide(const std::vector<std::string>& attempts, const fs::path& pat
     switch (a.outcome) {
       case RankAttempt::Outcome::Ok: continue;
       case RankAttempt::Outcome::Error:
-        // A caller mistake (unknown tensor, wrong dtype): older steps would not fix it.
+        // A caller mistake (bad arguments, I/O refused): older steps would not fix it.
         return {RestoreVote::Action::Fail,
                 {},
-                fmt::format("restore from {} failed on rank {}: {}", path.string(), r, a.why)};
+                fmt::format("restore from {} failed on rank {}: {}", path.string(), r, a.why),
+                {}};
       case RankAttempt::Outcome::Corrupt: vote.skipped.push_back(fmt::format("rank {}: {}", r, a.why)); break;
+      case RankAttempt::Outcome::Mismatch:
+        vote.skipped.push_back(fmt::format("rank {}: {}", r, a.why));
+        if (vote.mismatch.empty()) vote.mismatch = fmt::format("rank {}: {}", r, a.why);
+        break;
     }
   }
   if (!vote.skipped.empty()) vote.action = RestoreVote::Action::Skip;
@@ -591,6 +609,7 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
     return RestoreVote::decode(comm.broadcast(comm.rank() == 0 ? decide(attempts, path).encode() : ""));
   };
   RestoreResult result;
+  std::string first_mismatch;  // the newest step that did not fit the targets, if any
   bool targets_touched = false;
   std::string last_copy_failure;
   for (const std::uint64_t step : candidates) {
@@ -610,11 +629,19 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
       checkpoint->check_files();
       for (const auto& target : targets) checkpoint->check_read(target, ReadOptions{options.verify});
       metadata = checkpoint->metadata();
+      if (options.check_metadata) {
+        try {
+          options.check_metadata(metadata);
+        } catch (const std::exception& e) {
+          throw CorruptCheckpointError(fmt::format("{}: metadata rejected ({})", path.string(), e.what()));
+        }
+      }
     });
     RestoreVote decision = vote(mine, path);
     if (decision.action == RestoreVote::Action::Fail) throw CheckpointError(decision.error);
     if (decision.action == RestoreVote::Action::Skip) {
       result.skipped.insert(result.skipped.end(), decision.skipped.begin(), decision.skipped.end());
+      if (first_mismatch.empty()) first_mismatch = decision.mismatch;
       continue;
     }
     // Phase 2: every rank's data checked out; copy into the targets.
@@ -641,6 +668,12 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
                     "loaded; the targets are partially overwritten",
                     last_copy_failure));
   }
+  if (!first_mismatch.empty())
+    // steps exist but none fits: most likely the model changed -- never start afresh silently
+    throw CheckpointMismatchError(fmt::format(
+        "no checkpoint under {} fits these tensors ({}); restore into the model they were saved from, or use "
+        "another checkpoint directory",
+        root.string(), first_mismatch));
   return std::nullopt;
 }
 

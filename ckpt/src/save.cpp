@@ -432,6 +432,19 @@ std::string join_errors(const std::vector<std::string>& votes) {
 
 }  // namespace
 
+namespace {
+
+// Whether `j` nests deeper than `limit` (stops looking there: bounded recursion).
+bool nested_deeper_than(const json& j, int limit) {
+  if (!j.is_structured()) return false;
+  if (limit == 0) return true;
+  for (const auto& child : j)
+    if (nested_deeper_than(child, limit - 1)) return true;
+  return false;
+}
+
+}  // namespace
+
 SaveResult save_checkpoint(const fs::path& root, std::uint64_t step, std::span<const TensorView> tensors,
                            const json& metadata, Communicator& comm, const SaveOptions& options) {
   return detail::save_checkpoint_from(root, step, tensors, metadata, comm, options, {});
@@ -440,6 +453,10 @@ SaveResult save_checkpoint(const fs::path& root, std::uint64_t step, std::span<c
 SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step, std::span<const TensorView> tensors,
                                         const json& metadata, Communicator& comm, const SaveOptions& options,
                                         const SaveInputs& inputs) {
+  // Readers refuse manifests nested deeper than 64 levels (load.cpp); the metadata sits 1 deep.
+  // Every rank has the same metadata, so every rank refuses: no collective is left half done.
+  if (nested_deeper_than(metadata, 48))
+    throw CheckpointError("checkpoint metadata is nested deeper than 48 levels; flatten it");
   const int rank = comm.rank();
   // Round 1 (broadcast): rank 0 creates the temporary directory and tells everyone its name.
   std::string proposal;

@@ -50,7 +50,12 @@ fs::path resolve_step(const fs::path& given) {
   std::error_code ec;
   if (!fs::exists(given, ec)) throw CheckpointError(given.string() + ": no such file or directory");
   if (!fs::is_directory(given, ec)) throw CheckpointError(given.string() + ": not a directory");
-  if (!fs::exists(given / "index.h5", ec) && fs::exists(given / "latest", ec)) {
+  if (!fs::exists(given / "index.h5", ec) && fs::is_symlink(given / "latest", ec)) {
+    if (!fs::exists(given / "latest", ec))
+      throw CheckpointError(
+          fmt::format("{}/latest points to '{}', which does not exist (a damaged pointer); pass a "
+                      "step-N directory ('elastrun-ckpt ls {}' lists them)",
+                      given.string(), fs::read_symlink(given / "latest", ec).string(), given.string()));
     return given / "latest";
   }
   if (!fs::exists(given / "index.h5", ec)) {
@@ -70,10 +75,14 @@ int command_ls(const fs::path& root) {
   }
   std::string latest;
   if (fs::is_symlink(root / "latest", ec)) latest = fs::read_symlink(root / "latest", ec).string();
-  fmt::print("{:<16} {:>10} {:>6}  {}\n", "STEP", "SIZE", "WORLD", "STATUS");
+  const auto steps = list_steps(root);
+  if (steps.empty()) throw CheckpointError(root.string() + ": no checkpoint steps here (no step-N directory)");
+  // ls reads each step's index and checks its files and sizes; only `verify` hashes the contents.
+  fmt::print("{:<16} {:>10} {:>6}  {}\n", "STEP", "SIZE", "WORLD",
+             "STATUS (index and file sizes; 'verify' checks contents)");
   // Every step gets a line: a damaged one is shown as INVALID with the reason, never aborts.
   std::set<fs::path> listed;
-  for (const auto& entry : list_steps(root)) {
+  for (const auto& entry : steps) {
     listed.insert(entry.path);
     std::string status = "ok";
     std::string world = "?";
@@ -147,6 +156,18 @@ int command_verify(const fs::path& given) {
 
 int command_export(const fs::path& given, const fs::path& output) {
   Checkpoint checkpoint(resolve_step(given));
+  // Never write into a checkpoint: `--to STEP/index.h5` once overwrote the index it was reading.
+  std::error_code ec;
+  const fs::path target = fs::weakly_canonical(fs::absolute(output), ec);
+  const fs::path step_dir = fs::weakly_canonical(checkpoint.path(), ec);
+  const fs::path root = step_dir.parent_path();
+  const bool root_is_checkpoint = fs::is_symlink(root / "latest", ec);  // else a loose step directory
+  for (const fs::path& inside : {step_dir, root}) {
+    const auto rel = target.lexically_relative(inside);
+    if (rel.empty() || *rel.begin() == ".." || (inside == root && !root_is_checkpoint)) continue;
+    throw CheckpointError(fmt::format("--to {}: inside the checkpoint directory {}; write the export elsewhere",
+                                      output.string(), inside.string()));
+  }
   export_safetensors(checkpoint, output);
   fmt::print("wrote {} ({} tensors, {})\n", output.string(), checkpoint.tensors().size(),
              human_bytes(checkpoint.total_bytes()));

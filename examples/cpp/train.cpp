@@ -573,7 +573,16 @@ class Trainer {
       targets.add_whole("model/" + names_[q], params_[q]);
       for (auto& [kind, tensor] : state_[q]) targets.add_whole("optim/" + names_[q] + "/" + kind, tensor);
     }
-    auto restored = elastrun::ckpt::restore_latest(args_.ckpt_dir, targets.targets(), *comm_);
+    // A step whose metadata is not what this trainer writes is damaged: fall back to an older one.
+    elastrun::ckpt::RestoreOptions options;
+    options.check_metadata = [](const nlohmann::json& m) {
+      (void)m.at("step").get<std::uint64_t>();
+      if (m.contains("seed")) (void)m.at("seed").get<std::uint64_t>();
+      if (m.contains("next_sample")) (void)m.at("next_sample").get<std::uint64_t>();
+      if (m.contains("global_batch")) (void)m.at("global_batch").get<std::uint64_t>();
+      if (m.contains("world_size")) (void)m.at("world_size").get<int>();
+    };
+    auto restored = elastrun::ckpt::restore_latest(args_.ckpt_dir, targets.targets(), *comm_, options);
     if (!restored) {
       if (rank_ == 0) log("no checkpoint under {}: starting at step 0", args_.ckpt_dir);
       return 0;

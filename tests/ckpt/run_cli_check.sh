@@ -35,6 +35,20 @@ expect_one_error_line "$tool" inspect "$work/missing"
 expect_one_error_line "$tool" inspect "$work/expected"
 expect_one_error_line "$tool" verify /etc
 expect_one_error_line "$tool" export "$work/missing" --to "$work/x.safetensors"
+# an export never writes into a checkpoint (it once overwrote the index it read)
+cp "$step/index.h5" "$work/index-before.h5"
+expect_one_error_line "$tool" export "$step" --to "$step/index.h5"
+cmp -s "$step/index.h5" "$work/index-before.h5" || fail "export --to STEP/index.h5 changed the index"
+expect_one_error_line "$tool" export "$step" --to "$work/ckpt/out.safetensors"
+# an empty directory is an error, not an empty table; a dangling 'latest' is named as such
+mkdir "$work/empty"
+expect_one_error_line "$tool" ls "$work/empty"
+grep -q "no checkpoint steps" "$work/err" || fail "empty ls: $(cat "$work/err")"
+mkdir "$work/dangling" && ln -s step-000000099 "$work/dangling/latest"
+expect_one_error_line "$tool" inspect "$work/dangling"
+grep -q "latest points to 'step-000000099', which does not exist" "$work/err" || fail "dangling latest: $(cat "$work/err")"
+# ls says that it checks sizes only
+"$tool" ls "$work/ckpt" | head -1 | grep -q "'verify' checks contents" || fail "ls does not say it checks sizes only"
 
 # ls lists every step even when some are damaged: each bad one is INVALID with its reason.
 cp -r "$step" "$work/ckpt/step-000000043"

@@ -436,7 +436,7 @@ TEST(CkptVerify, TruncatedAndMissingShardsFallBack) {
   EXPECT_THROW(Checkpoint(dir.path() / "step-000000001"), CorruptCheckpointError);
 }
 
-TEST(CkptRestore, CallerMistakesAreErrorsNotFallbacks) {
+TEST(CkptRestore, TargetsThatFitNoStepAreAnErrorNotAFreshStart) {
   TempDir dir;
   const auto model = world4_model(800);
   save_world4(dir.path(), 1, model);
@@ -444,10 +444,44 @@ TEST(CkptRestore, CallerMistakesAreErrorsNotFallbacks) {
   run_ranks(2, [&](int, Communicator& comm) {
     std::vector<double> buffer(70);
     auto wrong_dtype = TensorTarget::whole("model/w", DType::float64, {10, 7}, buffer.data());
-    EXPECT_THROW(restore_latest(dir.path(), std::span(&wrong_dtype, 1), comm), CheckpointError);
+    try {
+      restore_latest(dir.path(), std::span(&wrong_dtype, 1), comm);
+      ADD_FAILURE() << "a model of another dtype restored or started afresh";
+    } catch (const CheckpointMismatchError& e) {
+      EXPECT_NE(std::string(e.what()).find("fits these tensors"), std::string::npos) << e.what();
+    }
     auto unknown = TensorTarget::whole("model/nope", DType::float64, {10, 7}, buffer.data());
-    EXPECT_THROW(restore_latest(dir.path(), std::span(&unknown, 1), comm), CheckpointError);
+    EXPECT_THROW(restore_latest(dir.path(), std::span(&unknown, 1), comm), CheckpointMismatchError);
   });
+}
+
+// Damage that looks like a different model in the newest step only (its manifest says another
+// dtype, lists no tensors, or its metadata has the wrong type): restore falls back to the older step.
+TEST(CkptRestore, ANewestStepThatDoesNotFitIsSkippedForAnOlderOne) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  std::vector<float> good{1, 2, 3};
+  std::vector<double> other{7, 8, 9};
+  auto v1 = TensorView::replicated("w", DType::float32, {3}, good.data());
+  save_checkpoint(dir.path(), 1, std::span(&v1, 1), nlohmann::json{{"step", 1}}, comm);
+  auto v2 = TensorView::replicated("w", DType::float64, {3}, other.data());  // "changed dtype"
+  save_checkpoint(dir.path(), 2, std::span(&v2, 1), nlohmann::json{{"step", 2}}, comm);
+  save_checkpoint(dir.path(), 3, {}, nlohmann::json{{"step", 3}}, comm);  // "emptied tensor list"
+  auto v4 = TensorView::replicated("w", DType::float32, {3}, good.data());
+  save_checkpoint(dir.path(), 4, std::span(&v4, 1), nlohmann::json("not an object"), comm);  // wrong metadata
+  std::vector<float> into(3);
+  auto target = TensorTarget::whole("w", DType::float32, {3}, into.data());
+  RestoreOptions options;
+  options.check_metadata = [](const nlohmann::json& m) { (void)m.at("step").get<std::uint64_t>(); };
+  auto restored = restore_latest(dir.path(), std::span(&target, 1), comm, options);
+  ASSERT_TRUE(restored);
+  EXPECT_EQ(restored->step, 1u);
+  EXPECT_EQ(into, good);
+  ASSERT_EQ(restored->skipped.size(), 3u);
+  EXPECT_NE(restored->skipped[0].find("metadata rejected"), std::string::npos) << restored->skipped[0];
+  EXPECT_NE(restored->skipped[1].find("no tensor named 'w'"), std::string::npos) << restored->skipped[1];
+  EXPECT_NE(restored->skipped[2].find("is float64 but the target is float32"), std::string::npos)
+      << restored->skipped[2];
 }
 
 TEST(CkptRestore, EmptyDirectoryHasNothingToRestore) {

@@ -205,7 +205,7 @@ TEST(CkptGapsRestore, RejectedStepLeavesTargetsUntouched) {
         buffers.emplace_back(t.bytes.size(), std::byte{0xab});
         targets.push_back(TensorTarget::whole(t.name, t.dtype, t.shape, buffers.back().data()));
       }
-      const auto restored = restore_latest(dir.path(), targets, comm, RestoreOptions{true, attempts});
+      const auto restored = restore_latest(dir.path(), targets, comm, RestoreOptions{true, attempts, {}});
       if (attempts == 1) {
         // Only the damaged step was allowed: nothing restored, and nothing written.
         EXPECT_FALSE(restored.has_value());
@@ -241,7 +241,7 @@ TEST(CkptGapsRestore, ReadChecksTheHashBeforeWritingTheTarget) {
 
 // ---- item 6: damaged or crafted manifests --------------------------------------------------
 
-void rewrite_manifest(const fs::path& step_dir, const std::function<void(json&)>& edit) {
+void rewrite_manifest_text(const fs::path& step_dir, const std::function<std::string(std::string)>& edit) {
   const fs::path index = step_dir / "index.h5";
   h5::Lock lock(h5::library_mutex());
   h5::Handle file = h5::make_file(H5Fopen(index.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "open index");
@@ -254,9 +254,7 @@ void rewrite_manifest(const fs::path& step_dir, const std::function<void(json&)>
     h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()), "read");
   }
   if (auto nul = text.find('\0'); nul != std::string::npos) text.resize(nul);
-  json manifest = json::parse(text);
-  edit(manifest);
-  text = manifest.dump();
+  text = edit(std::move(text));
   h5::check(H5Ldelete(file.get(), std::string(detail::kManifestDataset).c_str(), H5P_DEFAULT), "delete manifest");
   h5::Handle type = h5::make_type(H5Tcopy(H5T_C_S1), "string type");
   h5::check(H5Tset_size(type.get(), text.size()), "size");
@@ -265,6 +263,14 @@ void rewrite_manifest(const fs::path& step_dir, const std::function<void(json&)>
                                                    type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
                                         "create manifest");
   h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()), "write manifest");
+}
+
+void rewrite_manifest(const fs::path& step_dir, const std::function<void(json&)>& edit) {
+  rewrite_manifest_text(step_dir, [&](std::string text) {
+    json manifest = json::parse(text);
+    edit(manifest);
+    return manifest.dump();
+  });
 }
 
 json& tensor_entry(json& manifest, const std::string& name) {
@@ -342,8 +348,7 @@ TEST(CkptGapsManifest, CraftedBadIndexesGiveClearErrorsAndFallBack) {
     }
     EXPECT_NE(message.find(bad.fragment), std::string::npos) << message;
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-    if (!bad.fails_on_open) continue;  // a dtype change looks like a caller mistake to restore
-    // Restore skips the damaged step.
+    // Restore skips the damaged step (a dtype change too: it does not fit the target).
     run_ranks(2, [&](int, Communicator& comm) {
       const auto& w = model[0];
       std::vector<std::byte> out(w.bytes.size());
@@ -354,6 +359,34 @@ TEST(CkptGapsManifest, CraftedBadIndexesGiveClearErrorsAndFallBack) {
       EXPECT_EQ(out, w.bytes);
     });
   }
+}
+
+TEST(CkptGapsManifest, DeeplyNestedManifestIsCorruptNotACrash) {
+  TempDir dir;
+  save_values(dir.path(), 1, {1, 2, 3});
+  save_values(dir.path(), 2, {4, 5, 6});
+  rewrite_manifest_text(dir.path() / "step-000000002", [](std::string text) {
+    const std::string field = "\"metadata\":null";
+    const auto at = text.find(field);
+    EXPECT_NE(at, std::string::npos) << text;
+    return text.replace(at, field.size(),
+                        "\"metadata\":{\"deep\":" + std::string(100000, '[') + std::string(100000, ']') + "}");
+  });
+  try {
+    Checkpoint checkpoint(dir.path() / "step-000000002");
+    ADD_FAILURE() << "a 100000-deep manifest was accepted";
+  } catch (const CorruptCheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("nested deeper than 64"), std::string::npos) << e.what();
+  }
+  std::uint64_t step = 0;
+  EXPECT_EQ(restore_values(dir.path(), &step), (std::vector<std::int32_t>{1, 2, 3}));
+  EXPECT_EQ(step, 1U);
+  // and a save refuses metadata that readers would refuse
+  SingleProcessCommunicator comm;
+  json deep = 1;
+  for (int i = 0; i < 60; ++i) deep = json::array({deep});
+  EXPECT_THROW(save_checkpoint(dir.path(), 3, {}, json{{"deep", deep}}, comm), CheckpointError);
+  EXPECT_FALSE(fs::exists(dir.path() / "step-000000003"));
 }
 
 TEST(CkptGapsManifest, GarbageIndexFileIsCorruptNotACrash) {

@@ -1,6 +1,7 @@
 #pragma once
 // Save, find, verify and restore checkpoints (format: docs/checkpoint-format.md).
 #include <cstdint>
+#include <functional>
 #include <filesystem>
 #include <memory>
 #include <optional>
@@ -166,6 +167,9 @@ struct RestoreOptions {
   bool verify = true;
   // Try at most this many checkpoints, newest first (0 = all).
   int max_attempts = 0;
+  // The caller's check of a step's metadata (e.g. "an object with an unsigned 'step'"): if it
+  // throws, that step counts as damaged and an older one is tried. Runs on every rank.
+  std::function<void(const nlohmann::json& metadata)> check_metadata;
 };
 
 struct RestoreResult {
@@ -179,7 +183,8 @@ struct RestoreResult {
 // rank; falls back to older ones otherwise. Targets may use any sharding and any world size.
 // Every rank first checks (and, with verify, hashes) everything it will read; the targets are
 // written only once all ranks agreed on a step, so a rejected step leaves them untouched.
-// Returns nullopt if there is no loadable checkpoint.
+// Returns nullopt if there is no loadable checkpoint. Throws CheckpointError if steps exist but
+// none fits the targets (CheckpointMismatchError for every one: the model changed).
 std::optional<RestoreResult> restore_latest(const std::filesystem::path& root, std::span<const TensorTarget> targets,
                                             Communicator& comm, const RestoreOptions& options = {});
 

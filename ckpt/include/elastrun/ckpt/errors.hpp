@@ -17,4 +17,12 @@ class CorruptCheckpointError : public CheckpointError {
   using CheckpointError::CheckpointError;
 };
 
+// The checkpoint does not fit what the caller asked for: no tensor of that name, another dtype,
+// a box outside the tensor. Restore skips such a step (a damaged manifest looks exactly like
+// this), but if no step fits at all it fails instead of starting afresh: then the model changed.
+class CheckpointMismatchError : public CheckpointError {
+ public:
+  using CheckpointError::CheckpointError;
+};
+
 }  // namespace elastrun::ckpt
