@@ -132,6 +132,7 @@ wait_for 120 have_files 8 "$out/kill9/rank*.json" || fail "8 workers did not sta
 agent=
 for p in /proc/[0-9]*; do
   [[ $(readlink "$p/exe" 2>/dev/null) == "$ELASTRUN_BIN/elastrun" ]] || continue
+  [[ $(cat "$p/comm" 2>/dev/null) == elastrun-wdog ]] && continue  # the agent's watchdog (same binary)
   grep -qzx "SLURMD_NODENAME=n2" "$p/environ" 2>/dev/null && grep -qzx "TEST_WORKER_OUT_DIR=$out/kill9" "$p/environ" 2>/dev/null &&
     agent=${p#/proc/}
 done
