@@ -132,7 +132,13 @@ bool parse_bool(const std::string& flag, const std::string& value) {
   throw UsageError(fmt::format("{}='{}' must be true or false (also 1/0, yes/no, on/off)", flag, value));
 }
 
+// Every key torchrun (1.x and 2.x) knows is accepted: mapped where it means something here,
+// otherwise logged as "no effect". A key unknown to both is an error, and so is a quoted
+// value ('k=v', which PyTorch's own tests pass literally): the quotes would be part of the key.
 void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
+  std::optional<Millis> timeout, keep_alive_interval;
+  std::optional<long> keep_alive_attempts;
+  bool join_given = false, heartbeat_given = false;
   for (auto item : util::split_list(text)) {
     if (item.empty()) continue;
     auto eq = item.find('=');
@@ -140,21 +146,35 @@ void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
     std::string key(item.substr(0, eq)), value(item.substr(eq + 1));
     const std::string flag = "--rdzv-conf " + key;
     if (key == "join_timeout")
-      o.join_timeout = seconds_option(flag, value);
+      o.join_timeout = seconds_option(flag, value), join_given = true;
     else if (key == "last_call_timeout")
       o.last_call_timeout = seconds_option(flag, value);
     else if (key == "heartbeat_timeout")
-      o.heartbeat_timeout = seconds_option(flag, value);
+      o.heartbeat_timeout = seconds_option(flag, value), heartbeat_given = true;
     else if (key == "is_host")
       o.is_host = parse_bool(flag, value);
-    else if (key == "read_timeout" || key == "close_timeout" || key == "timeout" || key == "keep_alive_interval" ||
-             key == "keep_alive_max_attempt" || key == "store_type" || key == "use_agent_store" || key == "protocol" ||
-             key == "cacert" || key == "cert" || key == "key")
+    else if (key == "timeout")  // torchrun's static/etcd-v2 rendezvous: how long to wait for the others
+      timeout = seconds_option(flag, value);
+    else if (key == "keep_alive_interval")  // c10d: a member is dead after interval x max attempts
+      keep_alive_interval = seconds_option(flag, value);
+    else if (key == "keep_alive_max_attempt") {
+      auto n = to_long(value);
+      if (!n || *n < 1) throw UsageError(fmt::format("{}='{}' must be a positive integer", flag, value));
+      keep_alive_attempts = *n;
+    } else if (key == "read_timeout" || key == "close_timeout" || key == "store_type" || key == "use_libuv" ||
+               key == "use_agent_store" || key == "protocol" || key == "cacert" || key == "cert" || key == "key" ||
+               key == "local_addr" || key == "rank")
       o.ignored_rdzv_conf.push_back(key);
     else
-      throw UsageError(fmt::format(
-          "--rdzv-conf: unknown key '{}' (known: join_timeout, last_call_timeout, heartbeat_timeout, is_host)", key));
+      throw UsageError(
+          fmt::format("--rdzv-conf: unknown key '{}' (known: join_timeout, last_call_timeout, "
+                      "heartbeat_timeout, is_host, and torchrun's timeout, keep_alive_interval, "
+                      "keep_alive_max_attempt, read_timeout, close_timeout, store_type, use_libuv, ...)",
+                      util::printable(key, 60)));
   }
+  if (timeout && !join_given) o.join_timeout = *timeout;
+  if ((keep_alive_interval || keep_alive_attempts) && !heartbeat_given)
+    o.heartbeat_timeout = keep_alive_interval.value_or(Millis(5000)) * keep_alive_attempts.value_or(3);
   if (o.heartbeat_timeout < Millis(200)) throw UsageError("--rdzv-conf heartbeat_timeout must be at least 0.2 s");
 }
 

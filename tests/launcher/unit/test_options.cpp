@@ -115,6 +115,23 @@ TEST(Options, RdzvConf) {
   EXPECT_EQ(parse({"--rdzv-conf=is_host=0", "p"}).is_host, false);
 }
 
+TEST(Options, EveryTorchrunRdzvConfKeyIsAcceptedAndMappedWhereItMeansSomething) {
+  auto o = parse({"--rdzv-conf",
+                  "timeout=900,keep_alive_interval=1,keep_alive_max_attempt=4,read_timeout=60,close_timeout=30,"
+                  "store_type=tcp,use_libuv=1",
+                  "p"});
+  EXPECT_EQ(o.join_timeout, Millis(900'000)) << "torchrun's timeout is the join timeout";
+  EXPECT_EQ(o.heartbeat_timeout, Millis(4000)) << "keep_alive_interval x keep_alive_max_attempt";
+  EXPECT_EQ(o.ignored_rdzv_conf,
+            (std::vector<std::string>{"read_timeout", "close_timeout", "store_type", "use_libuv"}));
+  // our own keys win over torchrun's equivalents
+  o = parse({"--rdzv-conf=join_timeout=5,timeout=900,heartbeat_timeout=2,keep_alive_interval=9", "p"});
+  EXPECT_EQ(o.join_timeout, Millis(5000));
+  EXPECT_EQ(o.heartbeat_timeout, Millis(2000));
+  // PyTorch's tests pass the quotes literally: that stays an error (the key would be "'timeout")
+  EXPECT_NE(refusal({"--rdzv-conf='timeout=900'", "p"}).find("unknown key"), std::string::npos);
+}
+
 TEST(Options, CheckpointAndRequeueFlags) {
   auto o = parse({"--checkpoint-dir=/c", "--checkpoint-timeout=12", "--forward-signals", "--scale-up-checkpoint=no",
                   "--requeue-budget=app:1,timelimit:4,preempt:unlimited", "p"});
