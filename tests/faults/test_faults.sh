@@ -270,7 +270,8 @@ het)
   # The multi-node component comes first: Slurm applies a node failure anywhere in a het job to
   # the leader (component 0) too, which survives it only with --no-kill and more than one node.
   job=$(env TMPDIR="$out/tmp" ELASTRUN="$bin/elastrun" NPROC0=2 NPROC1=1 MIN_NODES0=2 \
-    sbatch --parsable --nodes=3 --chdir="$out" --output="$out/job.out" : --nodes=1 "$job_scripts/het.sbatch" \
+    sbatch --parsable --nodes=3 -w 'n[1-3]' --chdir="$out" --output="$out/job.out" : --nodes=1 -w n4 \
+    "$job_scripts/het.sbatch" \
     "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 600 --fail-at-step 30:1)
   job=${job%%;*}
   echo "job $job: het.sbatch on 3 + 1 nodes"

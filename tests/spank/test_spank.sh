@@ -210,8 +210,9 @@ gloo)
   fi
   ;;
 het)
-  check_step 3 2 127.0.0.1 -- srun --torch-env -N1 -n1 : -N1 -n2 "$PY" "$TASK"
-  check_step 3 2 127.0.0.1 -- salloc -Q -N1 -n1 : -N1 -n2 \
+  # components pinned (-w): the placement below is asserted, Slurm must not choose it
+  check_step 3 2 127.0.0.1 -- srun --torch-env -N1 -n1 -w n1 : -N1 -n2 -w n2 "$PY" "$TASK"
+  check_step 3 2 127.0.0.1 -- salloc -Q -N1 -n1 -w n1 : -N1 -n2 -w n2 \
     srun --het-group=0,1 --torch-env "$PY" "$TASK"
   # the first component's first node is the master: n1 here, with ranks 0.. on it
   grep '"RANK": "0"' "$out/step.jsonl" | grep -q '"SLURMD_NODENAME": "n1"' || fail "rank 0 is not on n1"
