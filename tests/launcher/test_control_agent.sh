@@ -72,7 +72,8 @@ case $case_name in
 usr1 | sigterm)
   sig=USR1; [[ $case_name == sigterm ]] && sig=TERM
   TEST_WORKER_POLL_CONTROL=1 sleeping_agent --checkpoint-dir "$work/ckpt"
-  sleep 0.5  # the workers' first poll (leaves the .seen marker) happens right after their start
+  # the workers' first poll leaves the .seen marker: without it the agent takes the never-polled path
+  wait_files "$work/tmp/elastrun-*/attempt_0/control.seen" 1 || fail "the workers never polled the channel"
   signal_agent $sig; rc=$?
   [[ $rc -eq 85 ]] || fail "exit $rc, expected 85"
   check_checkpointed 0 1
@@ -166,7 +167,7 @@ two_agents | summary)
   start_agent b --rdzv-conf=is_host=0 --node-rank=1 "${common[@]}" "$worker"
   if [[ $case_name == two_agents ]]; then
     wait_files "$work/out/rank*.json" 4 || fail "4 workers did not start"
-    sleep 0.5
+    wait_files "$work/tmp/elastrun-*/attempt_0/control.seen" 2 || fail "the workers of both agents never polled"
     kill -USR1 "${pids[1]}"
   fi
   finish "${pids[1]}"; rc_b=$?
@@ -200,7 +201,7 @@ scale_up)
     start_agent a --rdzv-conf=is_host=1 --node-rank=0 "${common[@]}" "$worker"
     start_agent b --rdzv-conf=is_host=0 --node-rank=1 "${common[@]}" "$worker"
     wait_files "$work/out/rank*.json" 4 || fail "4 workers did not start"
-    sleep 0.5  # the workers' first poll leaves the .seen marker
+    wait_files "$work/tmp/elastrun-*/attempt_0/control.seen" 2 || fail "the workers of a and b never polled"
     start_agent c --rdzv-conf=is_host=0 --node-rank=2 "${common[@]}" "$worker"
     finish "${pids[2]}"; rc_c=$?
     finish "${pids[1]}"; rc_b=$?
