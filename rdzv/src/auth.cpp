@@ -65,9 +65,14 @@ std::string read_token() {
 
 // The user's private directory for token files: created 0700, and refused if it is anything
 // but a directory of ours that nobody else can enter (another user could have made it first).
-std::string private_token_dir() {
+// $TMPDIR (else /tmp)/elastrun-<uid>: where the generated tokens live.
+std::string token_directory() {
   const char* tmp = std::getenv("TMPDIR");
-  const std::string dir = fmt::format("{}/elastrun-{}", tmp && *tmp ? tmp : "/tmp", ::getuid());
+  return fmt::format("{}/elastrun-{}", tmp && *tmp ? tmp : "/tmp", ::getuid());
+}
+
+std::string private_token_dir() {
+  const std::string dir = token_directory();
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
     throw AuthError(fmt::format("cannot create {} for the rendezvous token: {}", dir, std::strerror(errno)));
   struct stat st {};
@@ -161,10 +166,9 @@ AuthConfig auth_from_option(std::string_view option) {
 }
 
 std::string token_file_path(std::string_view run_id) {
-  const char* tmp = std::getenv("TMPDIR");
   std::string name;
   for (char c : run_id) name.push_back(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' ? c : '_');
-  return fmt::format("{}/elastrun-{}/rdzv-{}.token", tmp && *tmp ? tmp : "/tmp", ::getuid(), name);
+  return fmt::format("{}/rdzv-{}.token", token_directory(), name);
 }
 
 AuthConfig resolve_auth(std::string_view option, const AuthScope& scope) {
