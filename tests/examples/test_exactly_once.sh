@@ -3,7 +3,8 @@
 # failures or world sizes, only on --seed (float summation order aside: max |Δ| <= 1e-4).
 #   A  reference: one process, no agent, no Slurm (world 1), 40 steps
 #   B  3 workers under the agent, rank 1 fails at step 17 once (--fail-at-step 17:1, marker in
-#      the checkpoint directory), one restart resumes from step 15 and finishes
+#      the checkpoint directory), one restart resumes from step 15 (or 10: the async save of step
+#      15 may not have committed when rank 1 died, on a loaded machine) and finishes
 #   C  2 workers to step 20, then 3 workers resume from step 20 and finish
 #   D  like A with another --seed: must differ
 #   then `elastrun-ckpt diff A B`, `diff A C` exit 0, `diff A D` exits 1; the events of A (and,
@@ -51,7 +52,8 @@ agent 3 b.log --max-restarts=1 "${bargs[@]}" "$train" "${steps[@]}" --ckpt-dir "
   fail "B exited $?"
 grep -q "\[rank 1\] --fail-at-step 17:1: failing on purpose at step 17" "$out/b.log" || fail "B: rank 1 did not fail at step 17"
 [[ -e $out/b/train-fail-at-step-17.rank-1.done ]] || fail "B: no marker of the failure: $(ls "$out/b")"
-grep -q "\[rank 0\] resumed from step 15 (saved by a world of 3, now 3)" "$out/b.log" || fail "B did not resume from step 15"
+grep -Eq "\[rank 0\] resumed from step (15|10) \(saved by a world of 3, now 3\)" "$out/b.log" ||
+  fail "B did not resume from step 15 (or 10, if step 15's async save had not committed)"
 [[ $(grep -c "failing on purpose" "$out/b.log") -eq 1 ]] || fail "B failed more than once"
 grep -q "\[rank 0\] done: 40 steps" "$out/b.log" || fail "B did not finish"
 if ((${#bargs[@]})); then
@@ -59,7 +61,7 @@ if ((${#bargs[@]})); then
 import json, sys
 events = [json.loads(line) for line in open(sys.argv[1])]
 resumed = [e for e in events if e["event"] == "resumed"]
-assert len(resumed) == 1 and resumed[0]["step"] == 15 and resumed[0]["world_size"] == 3, resumed
+assert len(resumed) == 1 and resumed[0]["step"] in (10, 15) and resumed[0]["world_size"] == 3, resumed
 ranks = {e["rank"] for e in events if e["event"] == "checkpoint_saved" and e["step"] == 40}
 assert ranks == {0, 1, 2}, ranks
 PY
