@@ -241,6 +241,8 @@ assert len({e["run_id"] for e in rounds}) == 1, "expected one run (no requeue)"
 ended = [e for e in events if e["event"] == "job_completed"]
 assert len(ended) == 1 and ended[0]["ok"] and ended[0]["exit_code"] == 0 and ended[0]["batch_host"] == "n1", f"expected the new group rank 0 to end the job: {ended}"'
   scontrol show job "$survived" | grep -q "Restarts=0" || fail "job $survived was requeued"
+  # a crashed node runs nothing: an srun that woke up on n1 would have killed the step everywhere
+  if grep -q "srun: forcing job termination" "$out/job.out"; then fail "srun on the killed n1 ran again (testbed kill-node)"; fi
   ;;
 resize_requeue)
   submit 2-4 requeue.sbatch CKPT="$out/ckpt" NPROC=1 -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150

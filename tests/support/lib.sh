@@ -102,7 +102,14 @@ _lib_exit() {
     for entry in "${_LIB_ON_FAILURE[@]}"; do eval "$entry" || true; done
   fi
   for entry in "${_LIB_ON_EXIT[@]}"; do eval "$entry" || true; done
-  [[ -z $SANDBOX ]] || rm -rf "$SANDBOX"
+  if [[ -n $SANDBOX ]]; then
+    # ELASTRUN_TEST_KEEP_SANDBOX=1: a failed test leaves its files (logs, checkpoints) for a post-mortem
+    if _lib_failed && [[ -n ${ELASTRUN_TEST_KEEP_SANDBOX:-} ]]; then
+      echo "kept the sandbox of the failed test: $SANDBOX" >&2
+    else
+      rm -rf "$SANDBOX"
+    fi
+  fi
   exit "$EXIT_RC"
 }
 trap _lib_exit EXIT
@@ -212,7 +219,7 @@ _lib_recorded() { # DIR ERE: recorded PIDs whose command line matches ERE
 
 # sandbox [--tmpdir] [TEMPLATE]: creates the test's private directory (mktemp -d [TEMPLATE], mode
 # 755 so that Slurm tasks may write into it) with an empty tmp/ inside, sets SANDBOX to it and
-# removes it at exit. --tmpdir also exports TMPDIR=$SANDBOX/tmp, so that what the agents and other
+# removes it at exit (kept when the test fails and ELASTRUN_TEST_KEEP_SANDBOX is set). --tmpdir also exports TMPDIR=$SANDBOX/tmp, so that what the agents and other
 # programs keep in TMPDIR (srun passes it on to the tasks) goes with the sandbox.
 sandbox() {
   local tmpdir=
