@@ -109,6 +109,8 @@ step_signal)
   ;;
 forward)
   TEST_WORKER_POLL_CONTROL=1 sleeping_agent --forward-signals
+  # the forwarded SIGUSR1 kills a worker that has not installed its handler yet
+  wait_files "$work/out/polling.rank*" 2 || fail "the workers never polled the channel"
   signal_agent USR1; rc=$?
   [[ $rc -eq 85 ]] || fail "exit $rc, expected 85"
   grep -q "forwarding SIGUSR1 to the workers" "$work/a.err" || fail "no forwarding line"
@@ -132,8 +134,7 @@ python)
     { cat "$work/unit.out" >&2; fail "python unit checks failed"; }
   python_agent worker
   # the .seen marker shows both python workers are polling
-  wait_files "$work/tmp/elastrun-*/attempt_0/control.seen" 1 || fail "python workers never polled the channel"
-  sleep 1
+  wait_files "$work/out/polling.rank*" 2 || fail "python workers never polled the channel"
   signal_agent USR1; rc=$?
   [[ $rc -eq 85 ]] || fail "exit $rc, expected 85"
   for r in 0 1; do
@@ -145,8 +146,7 @@ python)
 torch)
   /usr/bin/python3 -c 'import torch' 2>/dev/null || skip "no python3-torch"
   python_agent torch
-  wait_files "$work/out/started.rank*" 2 || fail "the torch workers did not start"
-  sleep 1
+  wait_files "$work/out/polling.rank*" 2 || fail "the torch workers did not reach their second step"
   signal_agent USR1; rc=$?
   [[ $rc -eq 85 ]] || fail "exit $rc, expected 85"
   s0=$(json "$work/out/checkpoint.rank0.json" 'd["step"]')

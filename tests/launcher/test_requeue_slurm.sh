@@ -135,7 +135,8 @@ job=$(sbatch --parsable -N2 --requeue --open-mode=append -o "$out/job.out" "$out
 echo "submitted job $job"
 
 wait_for 120 have_files 4 "$out/run0/rank*.json" || fail "4 workers of the first run did not start (job state $(job_state))"
-sleep 1  # the workers poll the channel right after they print their environment
+# signal only once every worker has installed its handlers and polled the channel
+wait_for 60 have_files 4 "$out/run0/polling.rank*" || fail "the 4 workers of the first run never polled the channel"
 if [[ $case_name == preempt ]]; then
   urgent=$(sbatch --parsable -p urgent -N2 --exclusive -o "$out/urgent.out" --wrap "echo urgent ran")
   signalled=$SECONDS

@@ -11,7 +11,9 @@
 //                                  also bounds the polling below)
 //   TEST_WORKER_POLL_CONTROL=1     sleeps polling the control channel (elastrun/control.hpp, with its
 //                                  signal handlers) every 20 ms; on checkpoint-and-stop writes
-//                                  DIR/checkpoint.rank<RANK>.json and exits 85 (checkpointed)
+//                                  DIR/checkpoint.rank<RANK>.json and exits 85 (checkpointed); after
+//                                  its first poll (handlers installed) it writes DIR/polling.rank<RANK>,
+//                                  which tests wait for before they signal
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -132,8 +134,13 @@ int main(int argc, char** argv) {
         poll_world.empty() || poll_world == env("WORLD_SIZE") ? std::atof(env("TEST_WORKER_SLEEP", "0").c_str()) : 0.0;
     const auto until =
         std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<long>(poll_seconds * 1000));
+    bool announced = false;
     while (std::chrono::steady_clock::now() < until) {
       const auto status = control::poll();
+      if (!announced && !out_dir.empty()) {
+        std::ofstream(out_dir + "/polling.rank" + env("RANK")) << ::getpid() << "\n";
+        announced = true;
+      }
       if (status.stop()) {
         nlohmann::json c = {{"rank", env("RANK")},
                             {"request", std::string(control::to_string(status.request))},

@@ -23,6 +23,18 @@ using namespace elastrun::rdzv;
 using namespace std::chrono_literals;
 using json = nlohmann::json;
 
+// Waits (up to 20 s) until `count` members have joined round `gen` of run `run_id`: tests that
+// need an order of joins wait for it instead of sleeping (a loaded machine stretches any sleep).
+bool wait_joined(KvBackend& kv, const std::string& run_id, int gen, std::size_t count) {
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  const auto prefix = "elastrun/" + run_id + "/r/" + std::to_string(gen) + "/join/";
+  while (kv.get_prefix(prefix).size() < count) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(20ms);
+  }
+  return true;
+}
+
 struct Cluster {
   StoreServer server{[] {
     StoreServerOptions o;
@@ -198,7 +210,7 @@ TEST(Rendezvous, HetRoundTakesAtMostEachComponentsMaximumAndTheRestWaitAsItsSpar
   auto fb = std::async(std::launch::async, [&] { return b->next_round(); });
   auto fd = std::async(std::launch::async, [&] { return d->next_round(); });
   auto fe = std::async(std::launch::async, [&] { return e->next_round(); });
-  std::this_thread::sleep_for(500ms);
+  ASSERT_TRUE(wait_joined(*c.client(), "rt", 1, 3)) << "b, d and e did not join";
   auto ra = a->next_round();
   auto rb = fb.get();
   auto rd = fd.get();
@@ -346,7 +358,9 @@ TEST(RendezvousProcess, KillNineMidRoundDoesNotBlockTheRound) {
   ASSERT_TRUE(host.next("store"));
   {
     Member doomed(member_args(ep, "n1", 1, 3, 3));
-    std::this_thread::sleep_for(300ms);  // it has joined the forming round
+    StoreClient kv("127.0.0.1", static_cast<std::uint16_t>(std::stoi(ep.substr(ep.rfind(':') + 1))), AuthConfig{},
+                   "proc");
+    ASSERT_TRUE(wait_joined(kv, "proc", 1, 2)) << "n1 did not join the forming round";
     doomed.kill9();
   }
   Member c(member_args(ep, "n2", 2, 3, 3));
