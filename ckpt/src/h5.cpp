@@ -40,7 +40,15 @@ std::string last_error() {
   std::string message;
   (void)H5Ewalk2(H5E_DEFAULT, H5E_WALK_UPWARD, innermost_error, &message);
   (void)H5Eclear2(H5E_DEFAULT);
-  return message.empty() ? std::string("unknown HDF5 error") : message;
+  if (message.empty()) return "unknown HDF5 error";
+  // HDF5's I/O errors embed a ctime() string and its newline ("time = Fri Dec  4 ...\n, filename
+  // = ..."): errors are one line here (they end up in '[rank N] ...' log lines and events)
+  std::string line;
+  for (const char c : message) {
+    if (c == '\n' || c == '\r') continue;
+    line += static_cast<unsigned char>(c) < 0x20 ? ' ' : c;
+  }
+  return line;
 }
 
 hid_t check_id(hid_t id, std::string_view what) {

@@ -11,6 +11,7 @@
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "h5.hpp"
 #include "internal.hpp"
+#include "manifest.hpp"
 
 namespace elastrun::ckpt {
 
@@ -72,178 +73,16 @@ std::string read_manifest_text(const fs::path& index_path) {
 
 }  // namespace
 
-namespace {
-
-// Manifest validation: everything the reader later uses as a size, offset, index or path is
-// checked here, so damaged or crafted indexes give one error naming the tensor, never a crash.
-constexpr std::size_t kMaxRank = 32;  // H5S_MAX_RANK
-constexpr std::uint64_t kMaxTensorBytes = 1ULL << 62;
-
-[[noreturn]] void bad(const std::string& what) { throw CheckpointError(what); }
-
-const json& field(const json& object, const char* key, std::string_view context) {
-  if (!object.is_object() || !object.contains(key)) bad(fmt::format("{}: missing '{}'", context, key));
-  return object[key];
-}
-
-std::uint64_t u64_field(const json& object, const char* key, std::string_view context) {
-  const json& value = field(object, key, context);
-  if (!value.is_number_unsigned()) {
-    bad(fmt::format("{}: '{}' is {}, not a non-negative integer", context, key, value.dump()));
-  }
-  return value.get<std::uint64_t>();
-}
-
-std::string string_field(const json& object, const char* key, std::string_view context) {
-  const json& value = field(object, key, context);
-  if (!value.is_string()) bad(fmt::format("{}: '{}' is not a string", context, key));
-  return value.get<std::string>();
-}
-
-Shape shape_value(const json& value, const char* key, std::string_view context) {
-  if (!value.is_array() || value.size() > kMaxRank) {
-    bad(fmt::format("{}: '{}' is not an array of at most {} extents", context, key, kMaxRank));
-  }
-  Shape shape;
-  for (const auto& v : value) {
-    if (!v.is_number_unsigned()) {
-      bad(fmt::format("{}: '{}' holds {}, not a non-negative integer", context, key, v.dump()));
-    }
-    shape.push_back(v.get<std::uint64_t>());
-  }
-  return shape;
-}
-
-Shape shape_field(const json& object, const char* key, std::string_view context) {
-  return shape_value(field(object, key, context), key, context);
-}
-
-bool plain_file_name(const std::string& name) {
-  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string::npos &&
-         name.find('\0') == std::string::npos;
-}
-
-TensorInfo parse_tensor(const json& t, int world, const std::set<std::string>& files) {
-  TensorInfo info;
-  info.name = string_field(t, "name", "tensor entry");
-  if (auto reason = detail::invalid_name_reason(info.name); !reason.empty()) {
-    bad(fmt::format("tensor '{}': invalid name ({})", info.name, reason));
-  }
-  const std::string context = fmt::format("tensor '{}'", info.name);
-  const std::string dtype = string_field(t, "dtype", context);
-  try {
-    info.dtype = dtype_from_name(dtype);
-  } catch (const std::exception&) {
-    bad(fmt::format("{}: unknown dtype '{}'", context, dtype));
-  }
-  info.shape = shape_field(t, "shape", context);
-  const auto count = detail::checked_element_count(info.shape);
-  const auto bytes = count ? detail::checked_mul(*count, dtype_size(info.dtype)) : std::nullopt;
-  if (!bytes || *bytes > kMaxTensorBytes) {
-    bad(fmt::format("{}: shape {} is too large", context, detail::shape_string(info.shape)));
-  }
-  const std::string placement = string_field(t, "placement", context);
-  if (placement != "sharded" && placement != "replicated") {
-    bad(fmt::format("{}: unknown placement '{}'", context, placement));
-  }
-  info.placement = placement == "sharded" ? Placement::sharded : Placement::replicated;
-  const json& shards = field(t, "shards", context);
-  if (!shards.is_array()) bad(context + ": 'shards' is not an array");
-  const std::size_t ndim = info.shape.size();
-  std::uint64_t covered = 0;
-  for (std::size_t i = 0; i < shards.size(); ++i) {
-    const json& s = shards[i];
-    const std::string where = fmt::format("{} shard {}", context, i);
-    ShardInfo shard;
-    shard.file = string_field(s, "file", where);
-    if (!files.contains(shard.file)) {
-      bad(fmt::format("{}: file '{}' is not one of the checkpoint's files", where, shard.file));
-    }
-    const std::uint64_t rank = u64_field(s, "rank", where);
-    if (rank >= static_cast<std::uint64_t>(world)) {
-      bad(fmt::format("{}: rank {} outside world size {}", where, rank, world));
-    }
-    shard.rank = static_cast<int>(rank);
-    shard.offset = shape_field(s, "offset", where);
-    shard.extent = shape_field(s, "extent", where);
-    shard.in_file_offset = s.contains("in_file_offset") ? shape_field(s, "in_file_offset", where) : Shape(ndim, 0);
-    shard.xxh3 = u64_field(s, "xxh3", where);
-    if (shard.offset.size() != ndim || shard.extent.size() != ndim || shard.in_file_offset.size() != ndim) {
-      bad(fmt::format("{} (file {}): offset/extent/in_file_offset need {} dimensions", where, shard.file, ndim));
-    }
-    for (std::size_t d = 0; d < ndim; ++d) {
-      const auto end = detail::checked_add(shard.offset[d], shard.extent[d]);
-      if (!end || *end > info.shape[d] || !detail::checked_add(shard.in_file_offset[d], shard.extent[d])) {
-        bad(fmt::format("{} (file {}): offset {} + extent {} is outside shape {}", where, shard.file,
-                        detail::shape_string(shard.offset), detail::shape_string(shard.extent),
-                        detail::shape_string(info.shape)));
-      }
-    }
-    const auto next = detail::checked_add(covered, element_count(shard.extent));
-    if (!next || *next > *count) {
-      bad(fmt::format("{}: shards hold more elements than shape {}", context, detail::shape_string(info.shape)));
-    }
-    covered = *next;
-    info.shards.push_back(std::move(shard));
-  }
-  if (covered != *count) {
-    bad(fmt::format("{}: shards cover {} of {} elements", context, covered, *count));
-  }
-  return info;
-}
-
-}  // namespace
-
 Checkpoint::Checkpoint(fs::path step_dir) : state_(std::make_unique<State>()) {
   state_->path = std::move(step_dir);
   const fs::path index_path = state_->path / detail::kIndexFile;
   try {
     h5::Lock lock(h5::library_mutex());
     if (!fs::exists(index_path)) throw CheckpointError("file missing");
-    // Bounded nesting: dumping or destroying a 100 000-deep document recurses off the stack
-    // (elastrun-ckpt inspect and export crashed on one); no manifest of ours is deeper than 8.
-    static constexpr int kMaxManifestDepth = 64;
-    state_->manifest = json::parse(read_manifest_text(index_path), [](int depth, json::parse_event_t, json&) {
-      if (depth > kMaxManifestDepth) bad(fmt::format("manifest nested deeper than {} levels", kMaxManifestDepth));
-      return true;
-    });
-    const json& m = state_->manifest;
-    if (!m.is_object()) bad("manifest is not a JSON object");
-    if (string_field(m, "format", "manifest") != detail::kFormatName) {
-      bad("not an elastrun checkpoint");
-    }
-    const std::uint64_t version = u64_field(m, "format_version", "manifest");
-    if (version > static_cast<std::uint64_t>(kFormatVersion)) {
-      bad(fmt::format("format version {} is newer than this reader ({}); upgrade elastrun", version, kFormatVersion));
-    }
-    (void)u64_field(m, "step", "manifest");
-    const std::uint64_t world = u64_field(m, "world_size", "manifest");
-    if (world < 1 || world > 1U << 30) bad(fmt::format("manifest: world_size {} is invalid", world));
-    const std::string layout = string_field(m, "layout", "manifest");
-    if (layout != "file-per-rank" && layout != "shared-file") {
-      bad(fmt::format("manifest: unknown layout '{}'", layout));
-    }
-    (void)field(m, "metadata", "manifest");
-    std::set<std::string> files;
-    const json& file_list = field(m, "files", "manifest");
-    if (!file_list.is_array()) bad("manifest: 'files' is not an array");
-    for (const auto& f : file_list) {
-      const std::string name = string_field(f, "name", "manifest file entry");
-      if (!plain_file_name(name)) {
-        bad(fmt::format("manifest: file name '{}' is not a plain file name", name));
-      }
-      (void)u64_field(f, "bytes", "manifest file " + name);
-      files.insert(name);
-    }
-    const json& tensor_list = field(m, "tensors", "manifest");
-    if (!tensor_list.is_array()) bad("manifest: 'tensors' is not an array");
-    for (const auto& t : tensor_list) {
-      TensorInfo info = parse_tensor(t, static_cast<int>(world), files);
-      if (!state_->by_name.emplace(info.name, state_->tensors.size()).second) {
-        bad(fmt::format("tensor '{}' is listed twice", info.name));
-      }
-      state_->tensors.push_back(std::move(info));
-    }
+    auto parsed = detail::parse_manifest(read_manifest_text(index_path));
+    state_->manifest = std::move(parsed.json);
+    state_->tensors = std::move(parsed.tensors);
+    state_->by_name = std::move(parsed.by_name);
   } catch (const std::exception& e) {
     throw CorruptCheckpointError(
         fmt::format("{}: unreadable checkpoint index ({}); restore will "
@@ -373,27 +212,61 @@ std::uint64_t hash_stored_piece(hid_t file, const TensorInfo& tensor, const Shar
 
 std::vector<std::string> Checkpoint::verify_all() {
   std::vector<std::string> problems;
-  try {
-    check_files();
-  } catch (const CheckpointError& e) {
-    problems.push_back(e.what());
+  // A damaged file is one problem naming the tensors it holds, not one per tensor piece in it.
+  std::map<std::string, std::vector<std::string>> tensors_in;
+  for (const auto& tensor : state_->tensors)
+    for (const auto& shard : tensor.shards) {
+      auto& names = tensors_in[shard.file];
+      if (names.empty() || names.back() != tensor.name) names.push_back(tensor.name);
+    }
+  const auto holds = [&](const std::string& file) {
+    const auto& names = tensors_in[file];
+    if (names.empty()) return std::string("it holds no tensor");
+    std::string list;
+    for (std::size_t i = 0; i < names.size() && i < 4; ++i) list += fmt::format("{}'{}'", i ? ", " : "", names[i]);
+    if (names.size() > 4) list += fmt::format(" and {} more", names.size() - 4);
+    return fmt::format("it holds tensor{} {}", names.size() == 1 ? "" : "s", list);
+  };
+  std::set<std::string> bad_files;
+  for (const auto& f : state_->manifest.at("files")) {
+    const std::string name = f.at("name").get<std::string>();
+    const fs::path file = state_->path / name;
+    struct stat info {};
+    const auto expected = f.at("bytes").get<std::uint64_t>();
+    if (::stat(file.c_str(), &info) != 0) {
+      problems.push_back(fmt::format("{}: shard file missing; {}", file.string(), holds(name)));
+    } else if (static_cast<std::uint64_t>(info.st_size) != expected) {
+      problems.push_back(fmt::format("{}: shard file has {} bytes, expected {} (truncated or replaced); {}",
+                                     file.string(), info.st_size, expected, holds(name)));
+    } else {
+      continue;
+    }
+    bad_files.insert(name);
   }
   h5::Lock lock(h5::library_mutex());
   for (const auto& tensor : state_->tensors) {
     for (const auto& shard : tensor.shards) {
+      if (bad_files.contains(shard.file)) continue;
+      const fs::path file = state_->path / shard.file;
+      hid_t handle = -1;
       try {
-        const std::uint64_t hash = hash_stored_piece(state_->shard(shard.file), tensor, shard, state_->scratch);
+        handle = state_->shard(shard.file);
+      } catch (const std::exception& e) {
+        problems.push_back(
+            fmt::format("{}: unreadable shard file ({}); {}", file.string(), e.what(), holds(shard.file)));
+        bad_files.insert(shard.file);
+        continue;
+      }
+      try {
+        const std::uint64_t hash = hash_stored_piece(handle, tensor, shard, state_->scratch);
         if (hash != shard.xxh3) {
-          problems.push_back(fmt::format(
-              "{}: tensor '{}' content hash {} != recorded {} (data "
-              "corrupted)",
-              (state_->path / shard.file).string(), tensor.name, detail::hex64(hash), detail::hex64(shard.xxh3)));
+          problems.push_back(fmt::format("{}: tensor '{}' content hash {} != recorded {} (data corrupted)",
+                                         file.string(), tensor.name, detail::hex64(hash), detail::hex64(shard.xxh3)));
         } else {
           state_->verified.insert(piece_key(shard, tensor.name));
         }
       } catch (const std::exception& e) {
-        problems.push_back(
-            fmt::format("{}: tensor '{}' unreadable: {}", (state_->path / shard.file).string(), tensor.name, e.what()));
+        problems.push_back(fmt::format("{}: tensor '{}' unreadable: {}", file.string(), tensor.name, e.what()));
       }
     }
   }

@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <string_view>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -19,6 +20,23 @@ namespace fs = std::filesystem;
 using namespace elastrun::ckpt;
 
 namespace {
+
+// Error text can carry bytes from a damaged file: control characters (a newline above all)
+// would split the one error line, so they are shown escaped.
+std::string one_line(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '\n')
+      out += "\\n";
+    else if (byte < 0x20 || byte == 0x7f)
+      out += fmt::format("\\x{:02x}", byte);
+    else
+      out += c;
+  }
+  return out;
+}
 
 std::string human_bytes(std::uint64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -50,13 +68,26 @@ fs::path resolve_step(const fs::path& given) {
   std::error_code ec;
   if (!fs::exists(given, ec)) throw CheckpointError(given.string() + ": no such file or directory");
   if (!fs::is_directory(given, ec)) throw CheckpointError(given.string() + ": not a directory");
+  if (!fs::exists(given / "index.h5", ec) && fs::exists(fs::symlink_status(given / "latest", ec)) &&
+      !fs::is_symlink(given / "latest", ec)) {
+    throw CheckpointError(
+        fmt::format("{}/latest is not a link to a step (a damaged pointer); pass a step-N "
+                    "directory ('elastrun-ckpt ls {}' lists them)",
+                    given.string(), given.string()));
+  }
   if (!fs::exists(given / "index.h5", ec) && fs::is_symlink(given / "latest", ec)) {
     if (!fs::exists(given / "latest", ec))
-      throw CheckpointError(
-          fmt::format("{}/latest points to '{}', which does not exist (a damaged pointer); pass a "
-                      "step-N directory ('elastrun-ckpt ls {}' lists them)",
-                      given.string(), fs::read_symlink(given / "latest", ec).string(), given.string()));
+      throw CheckpointError(fmt::format(
+          "{}/latest points to '{}', which does not exist or cannot be followed (a damaged pointer); pass a "
+          "step-N directory ('elastrun-ckpt ls {}' lists them)",
+          given.string(), fs::read_symlink(given / "latest", ec).string(), given.string()));
     return given / "latest";
+  }
+  if (!fs::exists(given / "index.h5", ec) && given.filename().string().starts_with("step-")) {
+    throw CheckpointError(
+        fmt::format("{}: missing: not a complete checkpoint step (damaged, or an interrupted "
+                    "save; restore uses an older step)",
+                    (given / "index.h5").string()));
   }
   if (!fs::exists(given / "index.h5", ec)) {
     throw CheckpointError(given.string() +
@@ -141,10 +172,14 @@ int command_inspect(const fs::path& given, bool show_shards) {
 int command_verify(const fs::path& given) {
   Checkpoint checkpoint(resolve_step(given));
   const auto problems = checkpoint.verify_all();
-  for (const auto& problem : problems) std::cerr << "elastrun-ckpt: " << problem << "\n";
+  if (problems.size() == 1) {
+    std::cerr << "elastrun-ckpt: " << one_line(problems.front()) << "; this checkpoint must not be used\n";
+    return 1;
+  }
+  for (const auto& problem : problems) std::cerr << "elastrun-ckpt: " << one_line(problem) << "\n";
   if (!problems.empty()) {
-    fmt::print(stderr, "elastrun-ckpt: {}: {} problem(s); this checkpoint must not be used\n",
-               checkpoint.path().string(), problems.size());
+    fmt::print(stderr, "elastrun-ckpt: {}: {} problems; this checkpoint must not be used\n", checkpoint.path().string(),
+               problems.size());
     return 1;
   }
   std::size_t shards = 0;
@@ -346,7 +381,7 @@ int main(int argc, char** argv) {
       try {
         return command_diff(path, other, tol);
       } catch (const std::exception& e) {
-        std::cerr << "elastrun-ckpt: " << e.what() << "\n";
+        std::cerr << "elastrun-ckpt: " << one_line(e.what()) << "\n";
         return kDiffTrouble;
       }
     }
@@ -355,7 +390,7 @@ int main(int argc, char** argv) {
     if (*verify) return command_verify(path);
     if (*export_cmd) return command_export(path, output);
   } catch (const std::exception& e) {
-    std::cerr << "elastrun-ckpt: " << e.what() << "\n";
+    std::cerr << "elastrun-ckpt: " << one_line(e.what()) << "\n";
     return 1;
   }
   return 2;
