@@ -149,6 +149,7 @@ State Agent::rendezvous() {
 State Agent::start_workers() {
   const fs::path attempt_dir = attempt_base_ / fmt::format("attempt_{}", attempt_);
   open_control_channel(attempt_dir);
+  if (!watchdog_) watchdog_.emplace(o_.stop_grace);  // forked once, before the first workers
   const AttemptContext attempt{.options = o_,
                                .round = rdzv_->current(),
                                .run_id = plan_.run_id,
@@ -158,13 +159,13 @@ State Agent::start_workers() {
                                .restart_count = restart_count_,
                                .attempt_dir = attempt_dir,
                                .program_path = command_path_,
-                               .argv = command_argv_};
+                               .argv = command_argv_,
+                               .agent_tag = watchdog_->environment_entry()};
   auto specs = worker_specs(attempt, inherited_environment(environ));
   error_files_.clear();
   for (const auto& spec : specs) error_files_.push_back(spec.error_file);
   attempt_exits_.clear();
   signals_.set_workers_active(true);
-  if (!watchdog_) watchdog_.emplace(o_.stop_grace);  // forked once, before the first workers
   group_.emplace(std::move(specs), &*watchdog_);
   std::string pids;
   for (auto p : group_->pids()) pids += fmt::format("{}{}", pids.empty() ? "" : ",", p);

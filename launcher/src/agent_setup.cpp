@@ -75,8 +75,7 @@ void Agent::bootstrap() {
   const bool standalone = o_.standalone || (!etcd && !env_.slurm && o_.rdzv_endpoint.empty() &&
                                             o_.master_addr.empty() && o_.max_nodes.value_or(1) == 1);
   std::string endpoint = o_.rdzv_endpoint;
-  if (endpoint.empty() && !o_.master_addr.empty())
-    endpoint = fmt::format("{}:{}", o_.master_addr, o_.master_port.value_or(29500));
+  if (o_.static_form()) endpoint = fmt::format("{}:{}", o_.master_addr, o_.static_store_port());
   const BootstrapOverrides overrides{.endpoint = endpoint,
                                      .run_id = o_.rdzv_id,
                                      .is_host = o_.is_host,

@@ -71,6 +71,12 @@ struct AgentOptions {
   std::string local_addr;    // --local-addr: how peers reach this node (MASTER_ADDR if group rank 0)
   std::string start_method;  // accepted, no effect: workers are always fork+exec'd processes
   std::optional<int> master_port;
+  // torchrun's static form: --master-addr without --rdzv-endpoint. The workers' own c10d store
+  // gets the user's port (MASTER_PORT = --master-port, as under torchrun, so that
+  // init_method="tcp://ADDR:PORT" works); the agents' rendezvous store listens on the next one.
+  bool static_form() const { return !master_addr.empty() && rdzv_endpoint.empty(); }
+  int static_master_port() const { return master_port.value_or(29500); }
+  int static_store_port() const { return static_master_port() == 65535 ? 65534 : static_master_port() + 1; }
   std::string log_dir;
   std::string outcome_file;  // --outcome-file / $ELASTRUN_OUTCOME_FILE: group rank 0 writes how the job ended
   std::string events;        // --events: the event log (default with --log-dir: <log-dir>/events-<node>.jsonl)

@@ -1,5 +1,6 @@
 #include "watchdog.hpp"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -10,7 +11,10 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <system_error>
+
+#include <fmt/format.h>
 
 #include <spdlog/spdlog.h>
 
@@ -26,9 +30,75 @@ constexpr int kMaxGroups = 4096;
 
 void write_text(const char* text) { [[maybe_unused]] auto ignored = ::write(2, text, std::strlen(text)); }
 
+// Signals every process but this one whose environment carries `entry` (the agent's tag, given
+// to every worker and inherited by whatever a worker starts, in its process group or not: setsid,
+// a daemon's double fork); sig 0 only counts them. Async-signal-safe: open, getdents64, read,
+// close, kill -- no allocation, static buffers (environments longer than kEnvironBytes are only
+// searched that far).
+constexpr std::size_t kEnvironBytes = 256 * 1024;
+
+bool parse_pid(const char* name, pid_t* pid) {
+  pid_t value = 0;
+  if (*name == '\0') return false;
+  for (const char* c = name; *c; ++c) {
+    if (*c < '0' || *c > '9' || value > 100'000'000) return false;
+    value = value * 10 + (*c - '0');
+  }
+  *pid = value;
+  return value > 0;
+}
+
+bool carries_entry(const char* pid_name, const char* entry, std::size_t entry_length) {
+  static char path[64];
+  static char environment[kEnvironBytes];
+  std::size_t at = 0;
+  for (const char* part : {"/proc/", pid_name, "/environ"})
+    for (const char* c = part; *c && at + 1 < sizeof path; ++c) path[at++] = *c;
+  path[at] = '\0';
+  const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;  // gone, or not ours to read
+  std::size_t length = 0;
+  while (length < sizeof environment) {
+    const ssize_t n = ::read(fd, environment + length, sizeof environment - length);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    length += static_cast<std::size_t>(n);
+  }
+  ::close(fd);
+  for (std::size_t begin = 0; begin < length;) {
+    std::size_t end = begin;
+    while (end < length && environment[end] != '\0') ++end;
+    if (end - begin == entry_length && std::memcmp(environment + begin, entry, entry_length) == 0) return true;
+    begin = end + 1;
+  }
+  return false;
+}
+
+int signal_tagged(const char* entry, std::size_t entry_length, int sig) {
+  static char entries[16384];
+  const int proc = ::open("/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (proc < 0) return 0;
+  const pid_t self = ::getpid();
+  int found = 0;
+  while (true) {
+    const ssize_t n = ::getdents64(proc, entries, sizeof entries);
+    if (n <= 0) break;
+    for (ssize_t offset = 0; offset < n;) {
+      const auto* d = reinterpret_cast<const dirent64*>(entries + offset);
+      offset += d->d_reclen;
+      pid_t pid = 0;
+      if (!parse_pid(d->d_name, &pid) || pid == self || !carries_entry(d->d_name, entry, entry_length)) continue;
+      ++found;
+      if (sig != 0) ::kill(pid, sig);
+    }
+  }
+  ::close(proc);
+  return found;
+}
+
 // The watchdog process. Runs after fork() in a process that may have had threads: only
-// async-signal-safe calls (read, kill, nanosleep, write, _exit), no allocation.
-[[noreturn]] void watchdog_main(int fd, long grace_ms) {
+// async-signal-safe calls (read, kill, nanosleep, write, open, getdents64, _exit), no allocation.
+[[noreturn]] void watchdog_main(int fd, long grace_ms, const char* tag, std::size_t tag_length) {
   static pid_t groups[kMaxGroups];
   int count = 0;
   Message m{};
@@ -44,25 +114,31 @@ void write_text(const char* text) { [[maybe_unused]] auto ignored = ::write(2, t
         if (groups[i] == m.process_group) groups[i] = groups[--count];
     }
   }
-  int alive = 0;
-  for (int i = 0; i < count; ++i) alive += ::kill(-groups[i], 0) == 0;
-  if (alive == 0) ::_exit(0);
-  write_text("[elastrun watchdog] the agent is gone: ending its workers' process groups\n");
+  const auto alive = [&] {
+    int left = 0;
+    for (int i = 0; i < count; ++i) left += ::kill(-groups[i], 0) == 0;
+    return left + signal_tagged(tag, tag_length, 0);
+  };
+  if (alive() == 0) ::_exit(0);
+  write_text("[elastrun watchdog] the agent is gone: ending its workers and what they started\n");
   for (int i = 0; i < count; ++i) ::kill(-groups[i], SIGTERM);
+  signal_tagged(tag, tag_length, SIGTERM);
   for (long waited = 0; waited < grace_ms; waited += 50) {
-    alive = 0;
-    for (int i = 0; i < count; ++i) alive += ::kill(-groups[i], 0) == 0;
-    if (alive == 0) ::_exit(0);
+    if (alive() == 0) ::_exit(0);
     const timespec step{0, 50'000'000};
     ::nanosleep(&step, nullptr);
   }
   for (int i = 0; i < count; ++i) ::kill(-groups[i], SIGKILL);
+  // twice: a tagged process may have forked between the scan and its SIGKILL
+  for (int round = 0; round < 2; ++round) signal_tagged(tag, tag_length, SIGKILL);
   ::_exit(0);
 }
 
 }  // namespace
 
-Watchdog::Watchdog(std::chrono::milliseconds grace) {
+Watchdog::Watchdog(std::chrono::milliseconds grace)
+    : environment_entry_(
+          fmt::format("{}={}-{:016x}", kTagVariable, ::getpid(), std::random_device{}() * 0x9E3779B97F4A7C15ULL)) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) throw std::system_error(errno, std::generic_category(), "pipe2");
   util::UniqueFd read_end(fds[0]), write_end(fds[1]);
@@ -84,7 +160,7 @@ Watchdog::Watchdog(std::chrono::milliseconds grace) {
     if (fd != 3 && ::dup2(fd, 3) >= 0) fd = 3;
     ::close_range(fd + 1, ~0U, 0);  // stdin/stdout/stderr stay (the message goes to stderr)
     if (fd > 3) ::close_range(3, fd - 1, 0);
-    watchdog_main(fd, grace_ms);
+    watchdog_main(fd, grace_ms, environment_entry_.c_str(), environment_entry_.size());
   }
   pipe_ = std::move(write_end);
 }

@@ -25,6 +25,7 @@ const std::vector<std::string>& worker_variable_names() {
                                                  "TORCHELASTIC_RESTART_COUNT",
                                                  "TORCHELASTIC_MAX_RESTARTS",
                                                  "TORCHELASTIC_RUN_ID",
+                                                 "ELASTRUN_AGENT_TAG",
                                                  "TORCHELASTIC_ERROR_FILE",
                                                  "TORCHELASTIC_USE_AGENT_STORE",
                                                  "ELASTRUN_GENERATION",
@@ -63,7 +64,8 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   set("GROUP_WORLD_SIZE", r.group_world_size);
   set("ROLE_WORLD_SIZE", r.role_world_size);
   set("MASTER_ADDR", r.master_addr);
-  set("MASTER_PORT", r.master_port);
+  // the static form keeps the user's port for the workers (Options::static_form)
+  set("MASTER_PORT", o.static_form() ? o.static_master_port() : r.master_port);
   set("TORCHELASTIC_RESTART_COUNT", a.restart_count);
   set("TORCHELASTIC_MAX_RESTARTS", o.max_restarts);
   set("TORCHELASTIC_RUN_ID", a.run_id);
@@ -74,6 +76,7 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   set("ELASTRUN_CONTROL_FILE", a.control_file);
   set("ELASTRUN_CHECKPOINTED_EXIT_CODE", elastrun::control::kCheckpointedExitCode);
   if (!o.checkpoint_dir.empty()) set("ELASTRUN_CHECKPOINT_DIR", o.checkpoint_dir);
+  if (!a.agent_tag.empty()) env.push_back(a.agent_tag);  // the watchdog finds the workers' descendants by it
   if (!a.events_file.empty()) set("ELASTRUN_EVENTS_FILE", a.events_file);
   const bool omp_set = std::any_of(inherited.begin(), inherited.end(),
                                    [](const std::string& kv) { return kv.starts_with("OMP_NUM_THREADS="); });

@@ -33,6 +33,7 @@ struct AttemptContext {
   std::filesystem::path attempt_dir;  // <log dir or temp dir>/<run>/attempt_<n>
   std::string program_path;           // resolved executable
   std::vector<std::string> argv;      // argv[0] included
+  std::string agent_tag;              // "ELASTRUN_AGENT_TAG=..." of the agent's watchdog ("" = none)
 };
 
 // The worker's variables (without the inherited ones); OMP_NUM_THREADS=1 with several local

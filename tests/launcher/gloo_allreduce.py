@@ -1,11 +1,16 @@
-# A plain torch.distributed program, as users write it for torchrun: env:// rendezvous, gloo,
-# one all-reduce. Run unmodified by tests/launcher/test_torch_gloo.sh under elastrun.
+# A plain torch.distributed program, as users write it for torchrun: env:// rendezvous (or the
+# tcp:// init method named by GLOO_TEST_INIT_METHOD), gloo, one all-reduce. Run unmodified by tests/launcher/test_torch_gloo.sh under elastrun.
 import os
 
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("gloo")  # env:// : MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+init_method = os.environ.get("GLOO_TEST_INIT_METHOD")  # test knob: e.g. tcp://localhost:PORT
+if init_method:
+    dist.init_process_group("gloo", init_method=init_method, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+else:
+    dist.init_process_group("gloo")  # env:// : MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 rank, world = dist.get_rank(), dist.get_world_size()
 # test knob: rank 1 dies on the first attempt while rank 0 waits in the all-reduce
 marker = os.environ.get("GLOO_TEST_CRASH_ONCE")

@@ -77,7 +77,7 @@ success)
 static_form)
   # torchrun's static launch line from PyTorch's docs: no --rdzv-id, a localhost master that this
   # agent hosts, and the default --rdzv-auth=auto (a generated token on one host)
-  port=$(free_port)
+  port=$(free_port_pair)
   "$elastrun" --nnodes=1 --nproc-per-node=2 --master-addr=localhost --master-port="$port" --node-rank=0 "$worker" \
     >"$work/stdout" 2>"$work/stderr"
   rc=$?
@@ -85,7 +85,9 @@ static_form)
   f=$(ls "$work"/out/rank1.gen*.json 2>/dev/null | head -1)
   [[ -n $f ]] || fail "rank 1 did not run"
   [[ $(json "$f" 'd["WORLD_SIZE"], d["TORCHELASTIC_RUN_ID"]') == "('2', 'none')" ]] || fail "rank 1 env: $(cat "$f")"
-  grep -q "hosted here), store localhost:$port" "$work/stderr" || fail "this agent did not host the store on localhost:$port"
+  grep -q "hosted here), store localhost:$((port + 1))" "$work/stderr" ||
+    fail "this agent did not host the store on localhost:--master-port + 1"
+  [[ $(json "$f" 'd["MASTER_PORT"]') == "$port" ]] || fail "workers did not get MASTER_PORT=--master-port: $(cat "$f")"
   # nobody hosts the store: a progress line within seconds, then the error at join_timeout
   "$elastrun" --nnodes=1 --rdzv-endpoint=127.0.0.1:"$port" --rdzv-conf=is_host=0,join_timeout=6 "$worker" \
     >"$work/stdout" 2>"$work/stderr"
@@ -234,18 +236,20 @@ agent_killed)
   # wrapper) and deaf to SIGTERM must still die -- the agent's watchdog ends their process groups
   printf '#!/bin/sh\ntrap "" TERM\n"%s" "$@"\necho done\n' "$worker" >"$work/wrapper.sh"
   chmod +x "$work/wrapper.sh"
-  TEST_WORKER_SLEEP=120 "$elastrun" --standalone --nproc-per-node 2 --stop-grace 1 --no-python "$work/wrapper.sh" \
+  # (each worker also leaves a grandchild in a session of its own, out of every process group)
+  TEST_WORKER_SPAWN_ORPHAN=1 TEST_WORKER_SLEEP=120 \
+    "$elastrun" --standalone --nproc-per-node 2 --stop-grace 1 --no-python "$work/wrapper.sh" \
     >"$work/stdout" 2>"$work/stderr" &
   agent_pid=$!
   track_pid "$agent_pid"
-  wait_for -i 0.1 20 have_files 2 "$work/out/pids/*" || fail "2 workers did not start"
+  wait_for -i 0.1 20 have_files 4 "$work/out/pids/*" || fail "2 workers and their 2 grandchildren did not start"
   watchdog=$(pgrep -P "$agent_pid" -x elastrun-wdog) || fail "no watchdog process under the agent"
   kill -9 "$agent_pid"
   await "$agent_pid" || true
   wait_for -i 0.2 15 no_alive_workers || fail "workers outlived their killed agent: $(alive_workers)"
   wait_for -i 0.2 15 exited "$watchdog" || fail "the watchdog $watchdog did not exit"
   grep -q "elastrun watchdog\] the agent is gone" "$work/stderr" || fail "no watchdog message"
-  echo "ok: kill -9 of the agent: the wrapped workers died with it, and so did the watchdog"
+  echo "ok: kill -9 of the agent: the wrapped workers and their setsid grandchildren died with it, and so did the watchdog"
   ;;
 orphans)
   TEST_WORKER_SPAWN_ORPHAN=1 "$elastrun" --standalone --nproc-per-node 2 "$worker" >"$work/stdout" 2>"$work/stderr"

@@ -2,7 +2,8 @@
 # An unmodified torch.distributed gloo program (gloo_allreduce.py) under
 # `elastrun --standalone --nproc-per-node 2`, with Debian's python3-torch (/usr/bin/python3);
 # then rank 1 dies on the first attempt while rank 0 is in the all-reduce: the agent stops rank 0
-# at once (no gloo timeout), restarts both, and the second attempt succeeds.
+# at once (no gloo timeout), restarts both, and the second attempt succeeds; last, torchrun's static
+# form with init_method="tcp://localhost:--master-port" (the port stays free for the workers).
 # Exit 77 (skipped) when that interpreter has no torch. Usage: test_torch_gloo.sh path/to/elastrun
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
@@ -32,4 +33,17 @@ for r in 0 1; do
   grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 1" "$log" || fail "rank $r did not all-reduce after the restart"
 done
 echo "ok: crash during a collective -> restart -> success in $((SECONDS - start)) s"
+# torchrun's static form with init_method="tcp://localhost:P" on the --master-port: the workers'
+# c10d store must get port P (ours moves to P+1), as a script written for torchrun expects
+port=$(free_port_pair)
+GLOO_TEST_INIT_METHOD=tcp://localhost:$port ELASTRUN_PYTHON=$py timeout 150 "$elastrun" --nnodes=1 --nproc-per-node=2 \
+  --master-addr=localhost --master-port="$port" --node-rank=0 "$here/gloo_allreduce.py" >"$log" 2>&1
+rc=$?
+cat "$log"
+[[ $rc -eq 0 ]] || fail "static form with tcp:// init exited $rc"
+grep -q "store localhost:$((port + 1))" "$log" || fail "the agents' store is not on --master-port + 1"
+for r in 0 1; do
+  grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 0" "$log" || fail "rank $r did not all-reduce (tcp:// init)"
+done
+echo "ok: static form, init_method=tcp://localhost:--master-port"
 echo "ok: gloo all-reduce under elastrun --standalone"

@@ -29,7 +29,7 @@
 #                have_lines N PATTERN FILE...
 #   testbed      TB, private_testbed [OPTIONS] [SUFFIX], testbed_up N, private_testbed_up [OPTIONS] N
 #                [SUFFIX], remember_shared_testbed, check_shared_testbed
-#   environment  unset_env ERE [KEEP...], free_port, json FILE EXPR
+#   environment  unset_env ERE [KEEP...], free_port, free_port_pair, json FILE EXPR
 
 [[ -n ${_ELASTRUN_TEST_LIB:-} ]] && return 0
 _ELASTRUN_TEST_LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -375,6 +375,23 @@ unset_env() {
 # free_port: prints a TCP port on 127.0.0.1 that is free now.
 free_port() {
   /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# free_port_pair: a port P with P+1 free too (torchrun's static form: the agents' store goes on
+# --master-port + 1).
+free_port_pair() {
+  /usr/bin/python3 -c '
+import socket
+for _ in range(100):
+    a, b = socket.socket(), socket.socket()
+    a.bind(("127.0.0.1", 0))
+    p = a.getsockname()[1]
+    try:
+        b.bind(("127.0.0.1", p + 1))
+    except OSError:
+        continue
+    print(p)
+    break'
 }
 
 # json FILE EXPR: prints the Python expression EXPR evaluated on the JSON object `d` read from FILE.

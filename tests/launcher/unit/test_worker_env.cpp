@@ -53,7 +53,8 @@ AttemptContext attempt_in(const AgentOptions& o, const rdzv::RoundResult& round,
           .restart_count = 0,
           .attempt_dir = dir,
           .program_path = "",
-          .argv = {}};
+          .argv = {},
+          .agent_tag = ""};
 }
 
 TEST(WorkerEnv, InheritedEnvironmentDropsOursOnly) {
@@ -63,6 +64,28 @@ TEST(WorkerEnv, InheritedEnvironmentDropsOursOnly) {
   for (auto& e : entries) raw.push_back(e.data());
   raw.push_back(nullptr);
   EXPECT_EQ(inherited_environment(raw.data()), (std::vector<std::string>{"PATH=/bin", "HOME=/h", "RANKING=kept"}));
+}
+
+// torchrun's static form: the workers keep --master-port (their c10d store goes there, and a
+// script may name it in init_method="tcp://..."); the agents' store moved to the next port.
+TEST(WorkerEnv, StaticFormGivesTheWorkersTheMasterPort) {
+  TempDir dir;
+  AgentOptions o;
+  o.master_addr = "localhost";
+  o.master_port = 31000;
+  ASSERT_TRUE(o.static_form());
+  EXPECT_EQ(o.static_store_port(), 31001);
+  const auto round = second_node_of_three();
+  auto env = as_map(worker_specs(attempt_in(o, round, dir.path() / "a"), {}).at(0).env);
+  EXPECT_EQ(env["MASTER_PORT"], "31000");
+  o.rdzv_endpoint = "localhost:31000";  // an endpoint: the round's reserved port, as always
+  EXPECT_FALSE(o.static_form());
+  env = as_map(worker_specs(attempt_in(o, round, dir.path() / "b"), {}).at(0).env);
+  EXPECT_EQ(env["MASTER_PORT"], "29511");
+  AgentOptions top;
+  top.master_addr = "h";
+  top.master_port = 65535;
+  EXPECT_EQ(top.static_store_port(), 65534);
 }
 
 TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
@@ -82,7 +105,8 @@ TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
                          .restart_count = 1,
                          .attempt_dir = dir.path() / "attempt_0",
                          .program_path = "/bin/true",
-                         .argv = {"true", "x"}};
+                         .argv = {"true", "x"},
+                         .agent_tag = "ELASTRUN_AGENT_TAG=7-00ff"};
   const auto specs = worker_specs(a, {"PATH=/bin", "RANKING=kept"});
   ASSERT_EQ(specs.size(), 2u);
   for (int local = 0; local < 2; ++local) {
@@ -98,6 +122,7 @@ TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
     EXPECT_EQ(env["GROUP_RANK"], "1");
     EXPECT_EQ(env["ROLE_RANK"], std::to_string(2 + local));
     EXPECT_EQ(env["ROLE_NAME"], "trainer");
+    EXPECT_EQ(env["ELASTRUN_AGENT_TAG"], "7-00ff");
     EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "2");
     EXPECT_EQ(env["WORLD_SIZE"], "6");
     EXPECT_EQ(env["GROUP_WORLD_SIZE"], "3");
