@@ -113,8 +113,7 @@ TensorInfo parse_tensor(const json& t, int world, const std::set<std::string>& f
       const auto end = checked_add(shard.offset[d], shard.extent[d]);
       if (!end || *end > info.shape[d] || !checked_add(shard.in_file_offset[d], shard.extent[d])) {
         bad(fmt::format("{} (file {}): offset {} + extent {} is outside shape {}", where, shard.file,
-                        shape_string(shard.offset), shape_string(shard.extent),
-                        shape_string(info.shape)));
+                        shape_string(shard.offset), shape_string(shard.extent), shape_string(info.shape)));
       }
     }
     const auto next = checked_add(covered, element_count(shard.extent));
@@ -168,7 +167,8 @@ ParsedManifest parse_manifest(std::string_view text) {
   if (!tensor_list.is_array()) bad("manifest: 'tensors' is not an array");
   for (const auto& t : tensor_list) {
     TensorInfo info = parse_tensor(t, static_cast<int>(world), files);
-    if (!out.by_name.emplace(info.name, out.tensors.size()).second) bad(fmt::format("tensor '{}' is listed twice", info.name));
+    if (!out.by_name.emplace(info.name, out.tensors.size()).second)
+      bad(fmt::format("tensor '{}' is listed twice", info.name));
     out.tensors.push_back(std::move(info));
   }
   return out;
