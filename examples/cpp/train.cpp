@@ -443,6 +443,7 @@ class Trainer {
     const double global_loss = tail[0];
     optimizer_step(step + 1);
     next_sample_ += args_.global_batch;
+    control::progress();  // elastrun --hang-timeout: this rank completed a step
     return global_loss;
   }
 

@@ -173,3 +173,28 @@ def poll_all(group=None):
 def checkpoint_dir():
     """$ELASTRUN_CHECKPOINT_DIR (elastrun --checkpoint-dir), '' if not given."""
     return os.environ.get(CHECKPOINT_DIR_ENV, "")
+
+
+_stacks_file = None
+
+
+def progress():
+    """Tells the agent this worker made progress (elastrun --hang-timeout): call it once per step.
+
+    One utime() on $ELASTRUN_PROGRESS_FILE; nothing when the agent does not watch. The first call
+    also lets the agent dump this process's Python stacks should it hang: faulthandler writes them
+    to $ELASTRUN_STACKS_FILE on the signal $ELASTRUN_STACKS_SIGNAL.
+    """
+    global _stacks_file
+    path = os.environ.get("ELASTRUN_PROGRESS_FILE")
+    if not path:
+        return
+    if _stacks_file is None and os.environ.get("ELASTRUN_STACKS_FILE"):
+        import faulthandler
+        _stacks_file = open(os.environ["ELASTRUN_STACKS_FILE"], "w")
+        faulthandler.register(int(os.environ.get("ELASTRUN_STACKS_SIGNAL", "0")) or signal.SIGRTMIN + 4,
+                              file=_stacks_file, all_threads=True)
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        open(path, "a").close()

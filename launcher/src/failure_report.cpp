@@ -17,6 +17,7 @@ std::string Failure::how() const {
 
 std::string Failure::one_line() const {
   std::string line = fmt::format("rank {} (local rank {}, node {}) {}", rank, local_rank, node, how());
+  if (!watchdog.empty()) line += fmt::format(" by the agent: {}", watchdog);
   if (!exec_error.empty())
     line += ": " + exec_error;
   else if (error && !error->message.empty())
@@ -35,6 +36,8 @@ nlohmann::json Failure::to_json() const {
       {"restart_count", restart_count},
       {"error_file", error_file},
       {"exec_error", exec_error}};
+  if (!watchdog.empty()) j["watchdog"] = watchdog;
+  if (!stacks.empty()) j["stacks"] = stacks.substr(0, 16384);
   if (error) j["error"] = {{"message", error->message}, {"traceback", error->traceback.substr(0, 4096)}};
   return j;
 }
@@ -52,6 +55,8 @@ std::optional<Failure> Failure::from_json(const std::string& text) {
   f.restart_count = j.value("restart_count", 0);
   f.error_file = j.value("error_file", std::string());
   f.exec_error = j.value("exec_error", std::string());
+  f.watchdog = j.value("watchdog", std::string());
+  f.stacks = j.value("stacks", std::string());
   if (j.contains("error") && j["error"].is_object())
     f.error =
         ErrorFileInfo{j["error"].value("message", std::string()), j["error"].value("traceback", std::string()), {}};
@@ -95,6 +100,16 @@ std::vector<std::string> summary_lines(const std::string& run_id, const std::vec
                                          : std::to_string(root->exit_code)));
   out.push_back(fmt::format("  restart    : {} of {}", root->restart_count, max_restarts));
   if (!root->exec_error.empty()) out.push_back(fmt::format("  error      : {}", root->exec_error));
+  if (!root->watchdog.empty()) out.push_back(fmt::format("  killed     : by the agent: {}", root->watchdog));
+  if (!root->stacks.empty()) {
+    out.push_back("  stacks     :");
+    std::string_view st = root->stacks;
+    for (int n = 0; !st.empty() && n < 200; ++n) {
+      auto nl = st.find('\n');
+      out.push_back(fmt::format("    {}", st.substr(0, nl)));
+      st = nl == std::string_view::npos ? std::string_view{} : st.substr(nl + 1);
+    }
+  }
   if (root->error) {
     out.push_back(fmt::format("  error file : {}", root->error_file));
     out.push_back(fmt::format("  message    : {}", root->error->message));

@@ -31,6 +31,8 @@ struct Failure {
   std::string error_file;
   std::optional<ErrorFileInfo> error;
   std::string exec_error;
+  std::string watchdog;  // why the agent killed it: "no progress for 5 s (--hang-timeout)", a torch FileTimer
+  std::string stacks;    // the hung worker's stacks, taken before it was killed (--hang-timeout)
 
   // "exited with code 5", "killed by SIGSEGV (11)"
   std::string how() const;

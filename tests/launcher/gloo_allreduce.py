@@ -1,6 +1,7 @@
 # A plain torch.distributed program, as users write it for torchrun: env:// rendezvous (or the
 # tcp:// init method named by GLOO_TEST_INIT_METHOD), gloo, one all-reduce. Run unmodified by tests/launcher/test_torch_gloo.sh under elastrun.
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,25 @@ if marker and rank == 1 and not os.path.exists(marker):
     open(marker, "w").close()
     print("rank 1 crashing on purpose", flush=True)
     os._exit(9)
+# test knob (elastrun --hang-timeout): rank 1 stops progressing on the first attempt, so rank 0
+# waits in the all-reduce; both reported progress once (elastrun_control on PYTHONPATH)
+hang = os.environ.get("GLOO_TEST_HANG_ONCE")
+if hang:
+    import elastrun_control
+    elastrun_control.progress()
+    if rank == 1 and not os.path.exists(hang):
+        open(hang, "w").close()
+        print("rank 1 hanging on purpose", flush=True)
+        time.sleep(600)
+# test knob (torch's FileTimer, TORCHELASTIC_ENABLE_FILE_TIMER=1): rank 1 overruns a 2 s timer
+timer_hang = os.environ.get("GLOO_TEST_TIMER_HANG_ONCE")
+if timer_hang:
+    from torch.distributed.elastic import timer
+    timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+    if rank == 1 and not os.path.exists(timer_hang):
+        open(timer_hang, "w").close()
+        with timer.expires(after=2, scope="stuck_step"):
+            time.sleep(600)
 assert rank == int(os.environ["RANK"]) and world == int(os.environ["WORLD_SIZE"])
 t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)

@@ -3,7 +3,8 @@
 # `elastrun --standalone --nproc-per-node 2`, with Debian's python3-torch (/usr/bin/python3);
 # then rank 1 dies on the first attempt while rank 0 is in the all-reduce: the agent stops rank 0
 # at once (no gloo timeout), restarts both, and the second attempt succeeds; last, torchrun's static
-# form with init_method="tcp://localhost:--master-port" (the port stays free for the workers).
+# form with init_method="tcp://localhost:--master-port" (the port stays free for the workers); a
+# hung worker under --hang-timeout (stacks, restart); torch's FileTimer protocol (expired -> kill).
 # Exit 77 (skipped) when that interpreter has no torch. Usage: test_torch_gloo.sh path/to/elastrun
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
@@ -46,4 +47,37 @@ for r in 0 1; do
   grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 0" "$log" || fail "rank $r did not all-reduce (tcp:// init)"
 done
 echo "ok: static form, init_method=tcp://localhost:--master-port"
+# a hung worker (#16): rank 1 stops progressing, rank 0 waits in the all-reduce; --hang-timeout
+# dumps the stuck worker's stacks (gdb and faulthandler) into the log and the failure report,
+# and the restarted group finishes
+rm -f "$marker"
+start=$SECONDS
+GLOO_TEST_HANG_ONCE=$marker PYTHONPATH=$here/../../launcher/python ELASTRUN_PYTHON=$py timeout 150 \
+  "$elastrun" --standalone --nproc-per-node 2 --max-restarts 1 --hang-timeout 4 --log-dir "$SANDBOX/logs" \
+  --rdzv-id hang "$here/gloo_allreduce.py" >"$log" 2>&1
+rc=$?
+cat "$log"
+[[ $rc -eq 0 ]] || fail "hang run exited $rc"
+grep -q "made no progress for [0-9]* s (--hang-timeout): dumping its stacks" "$log" || fail "no hang line"
+grep -q "stacks\] .*all_reduce" "$log" || fail "the stacks in the log do not show the all_reduce"
+grep -q "by the agent: no progress for" "$log" || fail "the failure does not say the agent killed it"
+for r in 0 1; do
+  grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 1" "$log" || fail "rank $r did not finish after the restart"
+done
+ls "$SANDBOX"/logs/hang/attempt_0/*/stacks.txt >/dev/null || fail "no stacks.txt"
+echo "ok: hung worker -> stacks -> restart -> success in $((SECONDS - start)) s"
+# torch's FileTimer protocol: rank 1 overruns `with timer.expires(after=2)`; the agent serves the
+# FIFO (TORCHELASTIC_ENABLE_FILE_TIMER=1), SIGKILLs it, and the restarted group finishes
+rm -f "$marker"
+GLOO_TEST_TIMER_HANG_ONCE=$marker TORCHELASTIC_ENABLE_FILE_TIMER=1 ELASTRUN_PYTHON=$py timeout 150 \
+  "$elastrun" --standalone --nproc-per-node 2 --max-restarts 1 "$here/gloo_allreduce.py" >"$log" 2>&1
+rc=$?
+cat "$log"
+[[ $rc -eq 0 ]] || fail "file timer run exited $rc"
+grep -q "FileTimer 'stuck_step' expired: sending it SIGKILL" "$log" || fail "no expired-timer line"
+grep -q "by the agent: its torch FileTimer 'stuck_step' expired" "$log" || fail "the failure does not name the timer"
+for r in 0 1; do
+  grep -q "^\[rank $r\] allreduce ok rank $r of 2: 3.0 restart 1" "$log" || fail "rank $r did not finish after the timer kill"
+done
+echo "ok: torch FileTimer served: expired timer -> SIGKILL -> restart -> success"
 echo "ok: gloo all-reduce under elastrun --standalone"

@@ -212,6 +212,17 @@ inline Status poll() {
   return s;
 }
 
+// Tells the agent this worker made progress (elastrun --hang-timeout): call it once per step.
+// One utimensat() on $ELASTRUN_PROGRESS_FILE; nothing when the agent does not watch.
+inline void progress() {
+  static const char* path = std::getenv("ELASTRUN_PROGRESS_FILE");
+  if (path == nullptr || *path == '\0') return;
+  if (::utimensat(AT_FDCWD, path, nullptr, 0) != 0 && errno == ENOENT) {
+    const int fd = ::open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd >= 0) ::close(fd);
+  }
+}
+
 // $ELASTRUN_CHECKPOINT_DIR (elastrun --checkpoint-dir), "" if not given.
 inline std::string checkpoint_dir() {
   const char* p = std::getenv(kCheckpointDirEnv);
