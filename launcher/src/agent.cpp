@@ -3,11 +3,15 @@
 // The state machine: Agent::run() and one method per state (agent.hpp). Set-up is in
 // agent_setup.cpp, stopping for a checkpoint in agent_stop.cpp.
 #include <signal.h>
+#include <sys/stat.h>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
-
-#include <fstream>
 
 #include "job_outcome.hpp"
 #include "restart_policy.hpp"
@@ -57,6 +61,25 @@ int Agent::run() {
     attempt_base_ = fs::path(o_.log_dir) / plan_.run_id;
   }
   for (const auto& key : o_.ignored_rdzv_conf) spdlog::info("--rdzv-conf {}: accepted, no effect here", key);
+  for (const auto& note : o_.notes) spdlog::info("{}", note);
+  if (const char* on = std::getenv("TORCHELASTIC_ENABLE_FILE_TIMER"); on && std::string_view(on) == "1") {
+    // torch's FileTimerServer protocol: the FIFO named by TORCHELASTIC_TIMER_FILE, else one of ours
+    const char* named = std::getenv("TORCHELASTIC_TIMER_FILE");
+    file_timer_.emplace(named && *named ? fs::path(named)
+                                        : attempt_base_ / fmt::format("watchdog_timer_{}", plan_.me.pid));
+    spdlog::info("serving torch FileTimer requests on {} (TORCHELASTIC_ENABLE_FILE_TIMER=1)",
+                 file_timer_->path().string());
+  }
+  if (!o_.numa_binding.empty()) {
+    numa_nodes_ = read_numa_nodes();
+    if (numa_nodes_.size() < 2)
+      spdlog::info("--numa-binding={}: this machine has {} NUMA node(s); nothing to bind", o_.numa_binding,
+                   numa_nodes_.size());
+    else
+      spdlog::info("--numa-binding={}: local ranks spread over {} NUMA nodes, each worker on its node's CPUs{}",
+                   o_.numa_binding, numa_nodes_.size(),
+                   o_.numa_binding == "node" ? "" : " (no accelerator topology here: bound as 'node')");
+  }
   signals_.set_rendezvous_requeuer([this](int sig) {
     request_requeue(sig == SIGTERM ? FailureClass::Preempt : FailureClass::TimeLimit, {}, sig);
     spdlog::default_logger()->flush();
@@ -160,7 +183,12 @@ State Agent::start_workers() {
                                .attempt_dir = attempt_dir,
                                .program_path = command_path_,
                                .argv = command_argv_,
-                               .agent_tag = watchdog_->environment_entry()};
+                               .agent_tag = watchdog_->environment_entry(),
+                               .argv_program_end = command_argv_program_end_,
+                               .numa_nodes = numa_nodes_,
+                               .timer_file = file_timer_ ? file_timer_->path().string() : std::string()};
+  attempt_dir_ = attempt_dir;
+  killed_by_us_.clear();
   auto specs = worker_specs(attempt, inherited_environment(environ));
   error_files_.clear();
   for (const auto& spec : specs) error_files_.push_back(spec.error_file);
@@ -225,6 +253,7 @@ State Agent::monitor() {
     }
     if (group_->all_exited()) return State::Succeeded;
     if (stop_requested_elsewhere()) return State::CheckpointStop;
+    watch_for_hangs();
     change_ = wait_for_change(o_.monitor_interval);
     if (change_ != Change::None) return State::MembershipChanged;
   }
@@ -373,8 +402,76 @@ std::vector<WorkerExit> Agent::stop_workers(Millis grace) {
 void Agent::record(const WorkerExit& e) {
   const auto local = static_cast<std::size_t>(e.local_rank);
   const std::string error_file = local < error_files_.size() ? error_files_[local] : std::string();
-  failures_.add(failure_from_exit(e, plan_.me.node_name, static_cast<int>(restart_count_), error_file), *rdzv_,
-                fmt::format("{}.{}", plan_.me.node_name, plan_.me.pid), e.pid);
+  auto failure = failure_from_exit(e, plan_.me.node_name, static_cast<int>(restart_count_), error_file);
+  if (auto it = killed_by_us_.find(e.pid); it != killed_by_us_.end()) {
+    failure.watchdog = it->second.first;
+    failure.stacks = it->second.second;
+  }
+  failures_.add(std::move(failure), *rdzv_, fmt::format("{}.{}", plan_.me.node_name, plan_.me.pid), e.pid);
+}
+
+// MONITOR, every tick: a torch FileTimer that expired gets its signal sent to its process (as
+// torchrun's FileTimerServer does); with --hang-timeout, a worker whose progress file is older
+// than the timeout gets its stacks dumped, then SIGKILL (its process group) -- the exit is then
+// a failure like any other (restart within --max-restarts), its report naming why and the stacks.
+void Agent::watch_for_hangs() {
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  if (file_timer_) {
+    for (const auto& t : file_timer_->poll(now)) {
+      if (t.signal <= 0) {
+        spdlog::warn("pid {}: FileTimer '{}' expired (no signal asked for: left running)", t.pid, t.scope);
+        continue;
+      }
+      spdlog::warn("pid {}: FileTimer '{}' expired: sending it {}", t.pid, t.scope, signal_name(t.signal));
+      killed_by_us_[t.pid] = {fmt::format("its torch FileTimer '{}' expired", t.scope), ""};
+      events_.emit("timer_expired", {{"pid", t.pid}, {"scope", t.scope}, {"signal", signal_name(t.signal)}});
+      if (::kill(t.pid, t.signal) != 0 && errno != ESRCH)
+        spdlog::warn("warning: kill({}, {}): {}", t.pid, t.signal, std::strerror(errno));
+    }
+  }
+  if (o_.hang_timeout.count() <= 0 || now < next_hang_check_ || !group_) return;
+  next_hang_check_ = now + 1.0;
+  const double timeout = std::chrono::duration<double>(o_.hang_timeout).count();
+  const auto pids = group_->pids();
+  for (std::size_t local = 0; local < pids.size(); ++local) {
+    const pid_t pid = pids[local];
+    if (pid <= 0 || killed_by_us_.contains(pid) || ::kill(pid, 0) != 0) continue;
+    struct stat info {};
+    std::optional<double> last;
+    if (::stat(progress_file(attempt_dir_, static_cast<int>(local)).c_str(), &info) == 0)
+      last = static_cast<double>(info.st_mtim.tv_sec) + static_cast<double>(info.st_mtim.tv_nsec) * 1e-9;
+    if (!is_hung(last, now, timeout)) continue;
+    const int rank = rdzv_->current().rank_offset + static_cast<int>(local);
+    spdlog::warn(
+        "rank {} (pid {}) made no progress for {:.0f} s (--hang-timeout): dumping its stacks, then "
+        "restarting the group",
+        rank, pid, now - *last);
+    std::string stacks = native_stacks(pid, 30);
+    // Python workers that called elastrun_control.progress() registered faulthandler on this signal
+    const auto python_file = python_stacks_file(attempt_dir_, static_cast<int>(local));
+    if (::kill(pid, python_stacks_signal()) == 0) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      std::ifstream in(python_file);
+      std::stringstream text;
+      text << in.rdbuf();
+      if (!text.str().empty()) stacks += "python stacks (faulthandler):\n" + text.str();
+    }
+    const auto stacks_path = attempt_dir_ / std::to_string(local) / "stacks.txt";
+    std::ofstream(stacks_path) << stacks;
+    for (std::string_view rest = stacks; !rest.empty();) {  // into the agent's log too, line by line
+      const auto nl = rest.find('\n');
+      spdlog::warn("  [rank {} stacks] {}", rank, rest.substr(0, nl));
+      rest = nl == std::string_view::npos ? std::string_view() : rest.substr(nl + 1);
+    }
+    killed_by_us_[pid] = {fmt::format("no progress for {:.0f} s (--hang-timeout {:g}); stacks in {}", now - *last,
+                                      timeout, stacks_path.string()),
+                          stacks.substr(0, 16384)};
+    events_.emit("hang",
+                 {{"rank", rank}, {"pid", pid}, {"since_progress_s", now - *last}, {"stacks", stacks_path.string()}});
+    ::kill(-pid, SIGKILL);  // its process group (workers lead their own)
+    ::kill(pid, SIGKILL);
+    return;  // one at a time: its failure stops and restarts the others
+  }
 }
 
 int Agent::closed_exit(const RendezvousClosed& closed) {

@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -34,6 +35,7 @@
 #include "elastrun/rdzv/rendezvous.hpp"
 #include "events.hpp"
 #include "failure_report.hpp"
+#include "hang_watch.hpp"
 #include "job_outcome.hpp"
 #include "options.hpp"
 #include "signals.hpp"
@@ -99,6 +101,7 @@ class Agent {
   void write_control(elastrun::control::Request request);
   std::vector<WorkerExit> stop_workers(std::chrono::milliseconds grace);
   void record(const WorkerExit& e);
+  void watch_for_hangs();  // MONITOR: expired FileTimers, --hang-timeout (hang_watch.hpp)
   void print_summary() { failures_.print_summary(rdzv_.get(), plan_.run_id, o_.max_restarts); }
   int closed_exit(const rdzv::RendezvousClosed& closed);
   void log_state(std::string_view name, const std::string& what);   // and its event
@@ -128,6 +131,8 @@ class Agent {
   std::vector<rdzv::NodeBounds> component_bounds_;  // --het-nnodes
   std::string command_path_;
   std::vector<std::string> command_argv_;
+  std::size_t command_argv_program_end_ = 1;  // index after the program (python -u [-m] SCRIPT)
+  std::vector<std::vector<int>> numa_nodes_;  // --numa-binding: read once at start
   std::optional<TempDir> tmp_;
   std::filesystem::path attempt_base_;
   int attempt_ = 0;  // local starts of the workers, for per-attempt files
@@ -136,7 +141,12 @@ class Agent {
   EventLog events_;
   std::optional<Watchdog> watchdog_;  // before group_: the group holds a pointer to it
   std::optional<WorkerGroup> group_;
-  std::vector<std::string> error_files_;      // this attempt's, by local rank
+  std::vector<std::string> error_files_;  // this attempt's, by local rank
+  // hung workers (hang_watch.hpp): torch's FileTimer FIFO, --hang-timeout progress files
+  std::optional<FileTimerServer> file_timer_;
+  std::filesystem::path attempt_dir_;                                  // this attempt's directory
+  std::map<pid_t, std::pair<std::string, std::string>> killed_by_us_;  // pid -> (why, stacks)
+  double next_hang_check_ = 0;
   std::vector<WorkerExit> attempt_exits_;     // this attempt's exits seen in MONITOR
   rdzv::Change change_ = rdzv::Change::None;  // what MONITOR saw, for MEMBERSHIP_CHANGED
   int rc_ = 1;

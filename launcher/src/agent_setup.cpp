@@ -67,6 +67,7 @@ void Agent::resolve_command() {
     command_path_ = *exe;
   }
   command_argv_.push_back(o_.program);
+  command_argv_program_end_ = command_argv_.size();  // --local-rank-arg goes here, before the program's own
   command_argv_.insert(command_argv_.end(), o_.program_args.begin(), o_.program_args.end());
 }
 

@@ -263,6 +263,88 @@ StreamSpec parse_stream_spec(const std::string& flag, const std::string& text) {
 
 namespace {
 
+struct Torchrun2Flags {
+  std::string shutdown_timeout;
+  bool stop_grace_given = false;
+  std::string logs_specs, event_log_handler, signals_to_handle, dup_stdout, dup_stderr;
+  bool print_completion_given = false;
+  bool use_env = false;
+};
+
+// torchrun's comma_separated_list: ",," stands for a comma inside an item.
+std::vector<std::string> comma_list_with_escapes(const std::string& text) {
+  std::vector<std::string> items(1);
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != ',') {
+      items.back() += text[i];
+    } else if (i + 1 < text.size() && text[i + 1] == ',') {
+      items.back() += ',';
+      ++i;
+    } else {
+      items.emplace_back();
+    }
+  }
+  return items;
+}
+
+void parse_torchrun2_flags(const Torchrun2Flags& f, AgentOptions& o) {
+  if (!f.shutdown_timeout.empty()) {
+    if (f.stop_grace_given) throw UsageError("--shutdown-timeout and --stop-grace are the same setting; give one");
+    o.stop_grace = seconds_option("--shutdown-timeout", f.shutdown_timeout);
+  } else if (const char* env = std::getenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"); env && *env && !f.stop_grace_given) {
+    o.stop_grace = seconds_option("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", env);
+  }
+  if (!f.logs_specs.empty() && f.logs_specs != "default")
+    throw UsageError(
+        fmt::format("--logs-specs='{}': elastrun has no Python log plug-ins; only 'default' (use "
+                    "--log-dir, --redirects, --tee, --local-ranks-filter)",
+                    util::printable(f.logs_specs)));
+  if (!f.event_log_handler.empty()) {
+    if (f.event_log_handler != "null" && f.event_log_handler != "console" &&
+        f.event_log_handler != "dynamic_rendezvous")
+      throw UsageError(fmt::format("--event-log-handler='{}' is not one of null, console, dynamic_rendezvous",
+                                   util::printable(f.event_log_handler)));
+    if (f.event_log_handler != "null")
+      o.notes.push_back(
+          fmt::format("--event-log-handler={}: torchrun's Python event handlers do not exist here; "
+                      "elastrun's events are JSON lines in --events (or LOG_DIR/events-NODE.jsonl)",
+                      f.event_log_handler));
+  }
+  if (!f.signals_to_handle.empty()) {
+    static const std::set<std::string> handled = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"};
+    for (auto item : util::split_list(f.signals_to_handle)) {
+      while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
+      while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
+      const std::string name(item);
+      if (!handled.contains(name))
+        throw UsageError(
+            fmt::format("--signals-to-handle: '{}' is not one of SIGTERM, SIGINT, SIGHUP, SIGQUIT, "
+                        "SIGUSR1, SIGUSR2 (the signals elastrun handles)",
+                        util::printable(name)));
+    }
+    o.notes.push_back(
+        "--signals-to-handle: elastrun always handles SIGTERM, SIGINT, SIGHUP, SIGQUIT (stop the "
+        "workers) and SIGUSR1, SIGUSR2 (checkpoint and stop); --forward-signals sends them on");
+  }
+  if (!o.numa_binding.empty() && o.numa_binding != "node" && o.numa_binding != "socket" &&
+      o.numa_binding != "exclusive" && o.numa_binding != "core-complex")
+    throw UsageError(fmt::format("--numa-binding='{}' is not one of node, socket, exclusive, core-complex",
+                                 util::printable(o.numa_binding)));
+  if (!f.dup_stdout.empty()) o.duplicate_stdout_filters = comma_list_with_escapes(f.dup_stdout);
+  if (!f.dup_stderr.empty()) o.duplicate_stderr_filters = comma_list_with_escapes(f.dup_stderr);
+  if (f.print_completion_given)
+    throw UsageError(
+        "--print-completion: elastrun prints no shell completion script; 'elastrun --help' lists every "
+        "flag");
+  if (!o.local_rank_arg.empty() && o.local_rank_arg != "--local-rank" && o.local_rank_arg != "--local_rank")
+    throw UsageError(fmt::format("--local-rank-arg='{}' is not --local-rank (torch 2.x) or --local_rank (torch 1.x)",
+                                 util::printable(o.local_rank_arg)));
+  if (f.use_env) o.local_rank_arg.clear();
+  if (o.log_line_prefix_template.empty())
+    if (const char* env = std::getenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"); env && *env)
+      o.log_line_prefix_template = env;
+}
+
 ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::string, std::string>& pet, AgentOptions& o) {
   CLI::App app{"elastrun: elastic agent for PyTorch training on Slurm (torchrun-compatible)", "elastrun"};
   app.prefix_command();  // the first positional is the program; everything after it is its own
@@ -326,6 +408,42 @@ ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::strin
   app.add_flag("--no-python,--no_python", o.no_python, "run PROGRAM as is, even a *.py file");
   app.add_flag("--run-path,--run_path", o.run_path, "accepted (torchrun runs the script with runpy); runs with python");
 
+  // torchrun 2.x flags (docs/launcher.md, "torchrun flags"): mapped where they mean something here
+  std::string shutdown_timeout, logs_specs, event_log_handler, signals_to_handle, dup_stdout, dup_stderr,
+      print_completion;
+  bool use_env = false;
+  app.add_option("--shutdown-timeout,--shutdown_timeout", shutdown_timeout,
+                 "torchrun 2.x name of --stop-grace (seconds; torchrun's default is 30, elastrun's 5)");
+  app.add_option("--logs-specs,--logs_specs", logs_specs,
+                 "accepted: 'default' only (torchrun's log-layout plug-in; see --log-dir, --redirects, --tee)");
+  app.add_option("--event-log-handler,--event_log_handler", event_log_handler,
+                 "null|console|dynamic_rendezvous: accepted; elastrun writes its events to --events");
+  app.add_option("--signals-to-handle,--signals_to_handle", signals_to_handle,
+                 "accepted and checked: elastrun handles SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 itself");
+  app.add_option("--numa-binding,--numa_binding", o.numa_binding,
+                 "node|socket|exclusive|core-complex: bind each worker to one NUMA node's CPUs (no-op with one node)");
+  app.add_flag("--virtual-local-rank,--virtual_local_rank", o.virtual_local_rank,
+               "LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to the worker's own device");
+  app.add_option("--duplicate-stdout-filters,--duplicate_stdout_filters", dup_stdout,
+                 "comma list (',,' is a comma): tee'd stdout lines containing one also go to "
+                 "ATTEMPT_DIR/filtered_stdout.log");
+  app.add_option("--duplicate-stderr-filters,--duplicate_stderr_filters", dup_stderr,
+                 "the same for stderr (filtered_stderr.log)");
+  app.add_option("--log-line-prefix-template,--log_line_prefix_template", o.log_line_prefix_template,
+                 "console line prefix with ${rank} ${local_rank} ${role_name} ${hostname} (default '[rank ${rank}] '; "
+                 "else $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)");
+  app.add_option("--print-completion,--print_completion", print_completion,
+                 "not supported (torchrun prints a shtab completion script)");
+  app.add_option("--local-rank-arg,--local_rank_arg", o.local_rank_arg,
+                 "torch.distributed.launch: also pass --local-rank=N (2.x) or --local_rank=N (1.x) to the program");
+  std::string hang_timeout;
+  app.add_option("--hang-timeout,--hang_timeout", hang_timeout,
+                 "seconds without progress (elastrun::control::progress(), elastrun_control.progress()) after "
+                 "which a worker that reported progress is hung: its stacks are dumped and the group restarts");
+  app.add_flag(
+      "--use-env,--use_env", use_env,
+      "torch.distributed.launch: the local rank only in LOCAL_RANK (elastrun's default; cancels --local-rank-arg)");
+
   app.add_option("--checkpoint-dir,--checkpoint_dir", o.checkpoint_dir,
                  "checkpoint directory: ELASTRUN_CHECKPOINT_DIR for workers, and the requeue ledger");
   app.add_option("--checkpoint-timeout,--checkpoint_timeout", checkpoint_timeout,
@@ -385,6 +503,17 @@ ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::strin
   if (!rdzv_conf.empty()) parse_rdzv_conf(rdzv_conf, o);
   o.monitor_interval = std::max(Millis(10), seconds_option("--monitor-interval", monitor));
   o.stop_grace = seconds_option("--stop-grace", grace);
+  if (!hang_timeout.empty()) o.hang_timeout = seconds_option("--hang-timeout", hang_timeout);
+  parse_torchrun2_flags({.shutdown_timeout = shutdown_timeout,
+                         .stop_grace_given = app.count("--stop-grace") > 0,
+                         .logs_specs = logs_specs,
+                         .event_log_handler = event_log_handler,
+                         .signals_to_handle = signals_to_handle,
+                         .dup_stdout = dup_stdout,
+                         .dup_stderr = dup_stderr,
+                         .print_completion_given = app.count("--print-completion") > 0,
+                         .use_env = use_env},
+                        o);
   o.exit_barrier_timeout = seconds_option("--exit-barrier-timeout", exit_barrier);
   o.checkpoint_timeout = seconds_option("--checkpoint-timeout", checkpoint_timeout);
   o.scale_up_checkpoint = parse_bool("--scale-up-checkpoint", scale_up_checkpoint);
@@ -436,8 +565,8 @@ ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::strin
   }
   if (uses_etcd(o.rdzv_backend) && o.rdzv_endpoint.empty())
     throw UsageError("--rdzv-backend=etcd needs --rdzv-endpoint=HOST:PORT of an etcd server");
-  if (o.master_port && o.master_addr.empty() && o.rdzv_endpoint.empty() && !o.standalone)
-    throw UsageError("--master-port needs --master-addr (or use --rdzv-endpoint=HOST:PORT)");
+  // torchrun's --master-addr defaults to 127.0.0.1: `--master-port=P` alone is the static form on this machine
+  if (o.master_port && o.master_addr.empty() && o.rdzv_endpoint.empty() && !o.standalone) o.master_addr = "127.0.0.1";
 
   if (o.outcome_file.empty())
     if (const char* f = std::getenv("ELASTRUN_OUTCOME_FILE"); f && *f) o.outcome_file = f;

@@ -60,6 +60,7 @@ struct AgentOptions {
   Millis heartbeat_timeout{3000};
   std::optional<bool> is_host;
   std::vector<std::string> ignored_rdzv_conf;  // torchrun keys accepted without effect
+  std::vector<std::string> notes;              // torchrun flags accepted without (full) effect: one line each at start
   bool standalone = false;
   int max_restarts = 0;
   Millis monitor_interval{100};
@@ -78,6 +79,15 @@ struct AgentOptions {
   int static_master_port() const { return master_port.value_or(29500); }
   int static_store_port() const { return static_master_port() == 65535 ? 65534 : static_master_port() + 1; }
   std::string log_dir;
+  // torchrun 2.x (docs/launcher.md has the table)
+  std::string log_line_prefix_template;  // console prefix: ${rank} ${local_rank} ${role_name} ${hostname}
+  std::vector<std::string> duplicate_stdout_filters, duplicate_stderr_filters;  // tee'd lines -> filtered_*.log
+  bool virtual_local_rank = false;  // LOCAL_RANK=0, CUDA_VISIBLE_DEVICES narrowed to the worker's device
+  std::string numa_binding;         // node|socket|exclusive|core-complex ("" = none)
+  // torch.distributed.launch: also pass the local rank as an argument ("--local-rank" or
+  // "--local_rank"; "" = no, as torchrun)
+  std::string local_rank_arg;
+  Millis hang_timeout{0};    // --hang-timeout: 0 = off
   std::string outcome_file;  // --outcome-file / $ELASTRUN_OUTCOME_FILE: group rank 0 writes how the job ended
   std::string events;        // --events: the event log (default with --log-dir: <log-dir>/events-<node>.jsonl)
   StreamSpec redirects;

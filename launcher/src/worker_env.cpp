@@ -1,14 +1,78 @@
 #include "worker_env.hpp"
 
 #include <algorithm>
+#include <csignal>
+#include <fstream>
+#include <stdexcept>
 
 #include <fmt/format.h>
 
 #include "elastrun/control.hpp"
+#include "elastrun/util/parse.hpp"
 
 namespace elastrun::launcher {
 
 namespace fs = std::filesystem;
+
+namespace {
+std::string replace_all(std::string text, std::string_view from, const auto& to) {
+  if (text.find(from) == std::string::npos) return text;
+  const std::string with = fmt::format("{}", to);
+  for (std::size_t at = text.find(from); at != std::string::npos; at = text.find(from, at + with.size()))
+    text.replace(at, from.size(), with);
+  return text;
+}
+}  // namespace
+
+std::filesystem::path progress_file(const std::filesystem::path& attempt_dir, int local) {
+  return attempt_dir / std::to_string(local) / "progress";
+}
+std::filesystem::path python_stacks_file(const std::filesystem::path& attempt_dir, int local) {
+  return attempt_dir / std::to_string(local) / "python-stacks.txt";
+}
+int python_stacks_signal() { return SIGRTMIN + 4; }
+
+std::string console_prefix(const std::string& line_template, int rank, int local_rank, const std::string& role,
+                           const std::string& node) {
+  if (line_template.empty()) return fmt::format("[rank {}] ", rank);
+  std::string prefix = replace_all(line_template, "${rank}", rank);
+  prefix = replace_all(prefix, "${local_rank}", local_rank);
+  prefix = replace_all(prefix, "${role_name}", role);
+  return replace_all(prefix, "${hostname}", node);
+}
+
+std::vector<int> parse_cpu_list(std::string_view text) {
+  std::vector<int> cpus;
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.remove_suffix(1);
+  for (auto item : util::split_list(text)) {
+    const auto dash = item.find('-');
+    const auto first = util::parse_integer<long>(item.substr(0, dash));
+    const auto last = dash == std::string_view::npos ? first : util::parse_integer<long>(item.substr(dash + 1));
+    if (!first || !last || *first < 0 || *last < *first || *last > 1 << 20) return {};
+    for (auto c = *first; c <= *last; ++c) cpus.push_back(static_cast<int>(c));
+  }
+  return cpus;
+}
+
+std::vector<int> numa_cpus_for(int local_rank, int nproc, const std::vector<std::vector<int>>& node_cpus) {
+  if (node_cpus.size() < 2 || nproc < 1) return {};
+  const auto nodes = static_cast<long>(node_cpus.size());
+  const auto node = static_cast<std::size_t>(static_cast<long>(local_rank) * nodes / nproc);
+  return node_cpus[std::min(node, node_cpus.size() - 1)];
+}
+
+std::vector<std::vector<int>> read_numa_nodes(const fs::path& root) {
+  std::vector<std::vector<int>> nodes;
+  for (int n = 0; n < 4096; ++n) {
+    std::ifstream in(root / fmt::format("node{}", n) / "cpulist");
+    if (!in) break;
+    std::string line;
+    std::getline(in, line);
+    auto cpus = parse_cpu_list(line);
+    if (!cpus.empty()) nodes.push_back(std::move(cpus));
+  }
+  return nodes;
+}
 
 const std::vector<std::string>& worker_variable_names() {
   static const std::vector<std::string> names = {"RANK",
@@ -26,6 +90,9 @@ const std::vector<std::string>& worker_variable_names() {
                                                  "TORCHELASTIC_MAX_RESTARTS",
                                                  "TORCHELASTIC_RUN_ID",
                                                  "ELASTRUN_AGENT_TAG",
+                                                 "ELASTRUN_PROGRESS_FILE",
+                                                 "ELASTRUN_STACKS_FILE",
+                                                 "ELASTRUN_STACKS_SIGNAL",
                                                  "TORCHELASTIC_ERROR_FILE",
                                                  "TORCHELASTIC_USE_AGENT_STORE",
                                                  "ELASTRUN_GENERATION",
@@ -55,7 +122,25 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   std::vector<std::string> env;
   auto set = [&](std::string_view key, const auto& value) { env.push_back(fmt::format("{}={}", key, value)); };
   set("RANK", r.rank_offset + local);
-  set("LOCAL_RANK", local);
+  set("LOCAL_RANK", o.virtual_local_rank ? 0 : local);
+  if (o.virtual_local_rank) {
+    // torchrun's --virtual-local-rank: each worker sees only its own device, as device 0
+    std::string visible;
+    for (const auto& kv : inherited)
+      if (kv.starts_with("CUDA_VISIBLE_DEVICES=")) visible = kv.substr(21);
+    if (visible.empty()) {
+      set("CUDA_VISIBLE_DEVICES", local);
+    } else {
+      std::vector<std::string> devices;
+      for (auto d : util::split_list(visible)) devices.emplace_back(d);
+      if (local >= static_cast<int>(devices.size()))
+        throw std::runtime_error(
+            fmt::format("--virtual-local-rank: local rank {} has no device in "
+                        "CUDA_VISIBLE_DEVICES={}",
+                        local, visible));
+      set("CUDA_VISIBLE_DEVICES", devices[static_cast<std::size_t>(local)]);
+    }
+  }
   set("GROUP_RANK", r.group_rank);
   set("ROLE_RANK", r.role_rank_offset + local);
   set("ROLE_NAME", o.role);
@@ -76,7 +161,17 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   set("ELASTRUN_CONTROL_FILE", a.control_file);
   set("ELASTRUN_CHECKPOINTED_EXIT_CODE", elastrun::control::kCheckpointedExitCode);
   if (!o.checkpoint_dir.empty()) set("ELASTRUN_CHECKPOINT_DIR", o.checkpoint_dir);
-  if (!a.agent_tag.empty()) env.push_back(a.agent_tag);  // the watchdog finds the workers' descendants by it
+  if (!a.agent_tag.empty()) env.push_back(a.agent_tag);
+  // (an inherited TORCHELASTIC_TIMER_FILE is the same path: the agent created the FIFO there)
+  if (!a.timer_file.empty() && std::none_of(inherited.begin(), inherited.end(), [](const std::string& kv) {
+        return kv.starts_with("TORCHELASTIC_TIMER_FILE=");
+      }))
+    set("TORCHELASTIC_TIMER_FILE", a.timer_file);
+  if (o.hang_timeout.count() > 0) {
+    set("ELASTRUN_PROGRESS_FILE", progress_file(a.attempt_dir, local).string());
+    set("ELASTRUN_STACKS_FILE", python_stacks_file(a.attempt_dir, local).string());
+    set("ELASTRUN_STACKS_SIGNAL", python_stacks_signal());
+  }  // the watchdog finds the workers' descendants by it
   if (!a.events_file.empty()) set("ELASTRUN_EVENTS_FILE", a.events_file);
   const bool omp_set = std::any_of(inherited.begin(), inherited.end(),
                                    [](const std::string& kv) { return kv.starts_with("OMP_NUM_THREADS="); });
@@ -93,14 +188,26 @@ std::vector<WorkerSpec> worker_specs(const AttemptContext& a, const std::vector<
     s.global_rank = a.round.rank_offset + local;
     s.path = a.program_path;
     s.argv = a.argv;
+    // torchrun replaces ${local_rank} in the program's arguments; torch.distributed.launch also
+    // passes --local-rank=N (--local_rank=N in 1.x) before them (--local-rank-arg)
+    for (std::size_t i = 1; i < s.argv.size(); ++i) s.argv[i] = replace_all(s.argv[i], "${local_rank}", local);
+    if (!o.local_rank_arg.empty())
+      s.argv.insert(s.argv.begin() + static_cast<std::ptrdiff_t>(std::min(a.argv_program_end, s.argv.size())),
+                    fmt::format("{}={}", o.local_rank_arg, local));
+    s.console_prefix = console_prefix(o.log_line_prefix_template, s.global_rank, local, o.role, a.node_name);
+    if (!o.numa_binding.empty()) s.cpus = numa_cpus_for(local, o.nproc_per_node, a.numa_nodes);
     const fs::path dir = a.attempt_dir / std::to_string(local);
     fs::create_directories(dir);
     s.error_file = (dir / "error.json").string();
     std::error_code ec;
     fs::remove(s.error_file, ec);
+    fs::remove(progress_file(a.attempt_dir, local), ec);  // progress of an earlier run of this attempt number
+    fs::remove(python_stacks_file(a.attempt_dir, local), ec);
     s.env = inherited;
     if (!a.events_file.empty())  // ours replaces one the user exported; without ours, the user's stays
       std::erase_if(s.env, [](const std::string& kv) { return kv.starts_with("ELASTRUN_EVENTS_FILE="); });
+    if (o.virtual_local_rank)  // ours narrows it to this worker's device
+      std::erase_if(s.env, [](const std::string& kv) { return kv.starts_with("CUDA_VISIBLE_DEVICES="); });
     auto ours = worker_variables(a, local, s.error_file, inherited);
     s.env.insert(s.env.end(), std::make_move_iterator(ours.begin()), std::make_move_iterator(ours.end()));
 
@@ -111,6 +218,15 @@ std::vector<WorkerSpec> worker_specs(const AttemptContext& a, const std::vector<
     s.console_stderr = shown && (!(redirect & 2) || (tee & 2));
     if ((redirect | tee) & 1) s.stdout_file = (dir / "stdout.log").string();
     if ((redirect | tee) & 2) s.stderr_file = (dir / "stderr.log").string();
+    // --duplicate-*-filters: as torchrun, only streams that are tee'd (file and console)
+    if (!o.duplicate_stdout_filters.empty() && (tee & 1) && s.console_stdout) {
+      s.stdout_filters = o.duplicate_stdout_filters;
+      s.stdout_filtered_file = (a.attempt_dir / "filtered_stdout.log").string();
+    }
+    if (!o.duplicate_stderr_filters.empty() && (tee & 2) && s.console_stderr) {
+      s.stderr_filters = o.duplicate_stderr_filters;
+      s.stderr_filtered_file = (a.attempt_dir / "filtered_stderr.log").string();
+    }
     specs.push_back(std::move(s));
   }
   return specs;

@@ -30,11 +30,32 @@ struct AttemptContext {
   std::string control_file;  // ELASTRUN_CONTROL_FILE
   std::string events_file;   // ELASTRUN_EVENTS_FILE ("" = none)
   std::int64_t restart_count = 0;
-  std::filesystem::path attempt_dir;  // <log dir or temp dir>/<run>/attempt_<n>
-  std::string program_path;           // resolved executable
-  std::vector<std::string> argv;      // argv[0] included
-  std::string agent_tag;              // "ELASTRUN_AGENT_TAG=..." of the agent's watchdog ("" = none)
+  std::filesystem::path attempt_dir;         // <log dir or temp dir>/<run>/attempt_<n>
+  std::string program_path;                  // resolved executable
+  std::vector<std::string> argv;             // argv[0] included
+  std::string agent_tag;                     // "ELASTRUN_AGENT_TAG=..." of the agent's watchdog ("" = none)
+  std::size_t argv_program_end = 1;          // where --local-rank-arg goes: after `python -u [-m] SCRIPT`
+  std::vector<std::vector<int>> numa_nodes;  // --numa-binding: each NUMA node's CPUs (read_numa_nodes)
+  std::string timer_file;                    // TORCHELASTIC_TIMER_FILE: the agent's FileTimer FIFO ("" = none)
 };
+
+// --hang-timeout: the files of local rank `local` in an attempt directory, and the signal on
+// which elastrun_control's faulthandler writes the Python stacks.
+std::filesystem::path progress_file(const std::filesystem::path& attempt_dir, int local);
+std::filesystem::path python_stacks_file(const std::filesystem::path& attempt_dir, int local);
+int python_stacks_signal();
+
+// The console prefix of a worker's lines: "[rank N] ", or torchrun's --log-line-prefix-template
+// with ${rank}, ${local_rank}, ${role_name} and ${hostname} (the node name) replaced.
+std::string console_prefix(const std::string& line_template, int rank, int local_rank, const std::string& role,
+                           const std::string& node);
+// Linux cpulist text ("0-3,8,10-11\n") -> CPU numbers; empty if malformed.
+std::vector<int> parse_cpu_list(std::string_view text);
+// --numa-binding: local ranks spread evenly over the NUMA nodes in order (rank r of n -> node
+// r * nodes / n), the way accelerators usually hang off them; empty (no binding) with < 2 nodes.
+std::vector<int> numa_cpus_for(int local_rank, int nproc, const std::vector<std::vector<int>>& node_cpus);
+// The CPUs of each NUMA node under root (/sys/devices/system/node): node0/cpulist, node1/...
+std::vector<std::vector<int>> read_numa_nodes(const std::filesystem::path& root = "/sys/devices/system/node");
 
 // The worker's variables (without the inherited ones); OMP_NUM_THREADS=1 with several local
 // workers unless `inherited` sets it.

@@ -1,6 +1,7 @@
 #include "workers.hpp"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -59,6 +60,20 @@ struct Stream {
   UniqueFd file;
   std::string prefix;
   std::string partial;
+  UniqueFd filtered;  // --duplicate-*-filters: matching console lines
+  const std::vector<std::string>* filters = nullptr;
+
+  void duplicate_if_matching(std::string_view line) {
+    if (!filtered || filters == nullptr) return;
+    for (const auto& needle : *filters)
+      if (line.find(needle) != std::string_view::npos) {
+        std::string copy = prefix;
+        copy.append(line);
+        if (copy.back() != '\n') copy += '\n';
+        write_all(filtered.get(), copy);
+        return;
+      }
+  }
 
   void emit_lines(bool flush) {
     if (console_fd < 0) {
@@ -72,6 +87,7 @@ struct Stream {
       if (nl == std::string::npos) break;
       out += prefix;
       out.append(partial, start, nl - start + 1);
+      duplicate_if_matching(std::string_view(partial).substr(start, nl - start + 1));
       start = nl + 1;
     }
     partial.erase(0, start);
@@ -79,6 +95,7 @@ struct Stream {
       out += prefix;
       out += partial;
       out += '\n';
+      duplicate_if_matching(partial);
       partial.clear();
     }
     if (!out.empty()) {
@@ -267,6 +284,10 @@ void WorkerGroup::Impl::spawn(Worker& w) {
   const pid_t parent = ::getpid();
   sigset_t empty;
   sigemptyset(&empty);
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  for (int cpu : w.spec.cpus)
+    if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &cpus);
 
   pid_t pid = ::fork();
   if (pid < 0) throw_errno("fork");
@@ -278,6 +299,8 @@ void WorkerGroup::Impl::spawn(Worker& w) {
     for (int sig = 1; sig < NSIG; ++sig)
       if (sig != SIGKILL && sig != SIGSTOP) ::sigaction(sig, &dfl, nullptr);  // EINVAL for glibc-internal ones
     ::sigprocmask(SIG_SETMASK, &empty, nullptr);
+    // --numa-binding; a failure (a cpuset that excludes them) leaves the affinity as it was
+    if (!w.spec.cpus.empty()) (void)::sched_setaffinity(0, sizeof cpus, &cpus);
     if (::dup2(out_w.get(), 1) < 0 || ::dup2(err_w.get(), 2) < 0) ::_exit(126);
     if (exec_w.get() != 3 && ::dup2(exec_w.get(), 3) < 0) ::_exit(126);
     ::fcntl(3, F_SETFD, FD_CLOEXEC);
@@ -307,11 +330,24 @@ void WorkerGroup::Impl::spawn(Worker& w) {
     if (!fd) throw_errno("cannot open log file " + path);
     return fd;
   };
-  const auto prefix = fmt::format("[rank {}] ", w.spec.global_rank);
+  const auto prefix =
+      w.spec.console_prefix.empty() ? fmt::format("[rank {}] ", w.spec.global_rank) : w.spec.console_prefix;
   rdzv::set_nonblocking(out_r.get());
   rdzv::set_nonblocking(err_r.get());
-  streams.push_back({std::move(out_r), w.spec.console_stdout ? 1 : -1, open_log(w.spec.stdout_file), prefix, {}});
-  streams.push_back({std::move(err_r), w.spec.console_stderr ? 2 : -1, open_log(w.spec.stderr_file), prefix, {}});
+  streams.push_back({std::move(out_r),
+                     w.spec.console_stdout ? 1 : -1,
+                     open_log(w.spec.stdout_file),
+                     prefix,
+                     {},
+                     open_log(w.spec.stdout_filtered_file),
+                     &w.spec.stdout_filters});
+  streams.push_back({std::move(err_r),
+                     w.spec.console_stderr ? 2 : -1,
+                     open_log(w.spec.stderr_file),
+                     prefix,
+                     {},
+                     open_log(w.spec.stderr_filtered_file),
+                     &w.spec.stderr_filters});
 }
 
 WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, Watchdog* watchdog) : impl_(std::make_unique<Impl>()) {

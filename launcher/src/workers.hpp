@@ -25,7 +25,12 @@ struct WorkerSpec {
   std::vector<std::string> env;                       // "KEY=VALUE"
   bool console_stdout = true, console_stderr = true;  // relay to the agent's stdout/stderr
   std::string stdout_file, stderr_file;               // raw copies ("" = none)
-  std::string error_file;  // TORCHELASTIC_ERROR_FILE (PyTorch's @record JSON), read on failure
+  std::string error_file;      // TORCHELASTIC_ERROR_FILE (PyTorch's @record JSON), read on failure
+  std::string console_prefix;  // before each console line ("" = "[rank N] ")
+  // --duplicate-std{out,err}-filters: console lines containing one of these also go to the file
+  std::vector<std::string> stdout_filters, stderr_filters;
+  std::string stdout_filtered_file, stderr_filtered_file;
+  std::vector<int> cpus;  // --numa-binding: the CPUs the worker may run on (empty = unchanged)
 };
 
 struct WorkerExit {

@@ -212,7 +212,13 @@ PY
   ELASTRUN_PYTHON=/usr/bin/python3 "$elastrun" --standalone --nproc-per-node=2 "$work/pkg/echoargs.py" --standalone >"$work/stdout" 2>"$work/stderr" ||
     fail "script run failed"
   [[ $(grep -c '"argv": \["--standalone"\]' "$work/stdout") -eq 2 ]] || fail "script args not passed through"
-  echo "ok: -m and *.py with untouched arguments"
+  # torch.distributed.launch's --local_rank argument, and torchrun's ${local_rank} in arguments
+  rm -rf "$work/out"/*
+  "$elastrun" --standalone --nproc-per-node 2 --local-rank-arg=--local_rank "$worker" a 'r${local_rank}' \
+    >"$work/stdout" 2>"$work/stderr" || fail "--local-rank-arg run failed"
+  f=$(ls "$work"/out/rank1.gen*.json | head -1)
+  [[ $(json "$f" 'd["args"]') == "['--local_rank=1', 'a', 'r1']" ]] || fail "rank 1 args: $(json "$f" 'd["args"]')"
+  echo "ok: -m and *.py with untouched arguments; --local-rank-arg and \${local_rank}"
   ;;
 log_dir)
   "$elastrun" --standalone --nproc-per-node 2 --log-dir "$work/logs" --tee 3 --rdzv-id myrun "$worker" >"$work/stdout" 2>"$work/stderr" ||
@@ -229,7 +235,15 @@ log_dir)
   grep -q '^\[rank' "$work/stdout" && fail "redirected stdout reached the console"
   grep -q '^\[rank 1\] stderr' "$work/stderr" || fail "rank 1 stderr not on the console"
   grep -q '^\[rank 0\]' "$work/stderr" && fail "--local-ranks-filter 1 let rank 0 through"
-  echo "ok: log dir, tee, redirects, local ranks filter"
+  # torchrun 2.x: a prefix template and the duplicate filters (tee'd stdout lines with "RANK")
+  rm -rf "$work/logs" "$work/out"/*
+  "$elastrun" --standalone --nproc-per-node 2 --log-dir "$work/logs" --tee 1 --rdzv-id r3 \
+    --log-line-prefix-template '<${role_name}${local_rank}>' --duplicate-stdout-filters 'a,,b,"RANK"' \
+    "$worker" >"$work/stdout" 2>"$work/stderr" || fail "prefix/filter run failed"
+  grep -q '^<default1>{' "$work/stdout" || fail "no templated prefix: $(head -3 "$work/stdout")"
+  filtered=$work/logs/r3/attempt_0/filtered_stdout.log
+  [[ $(grep -c '^<default[01]>{.*"RANK"' "$filtered") -eq 2 ]] || fail "filtered_stdout.log: $(cat "$filtered" 2>&1)"
+  echo "ok: log dir, tee, redirects, local ranks filter, prefix template, duplicate filters"
   ;;
 agent_killed)
   # kill -9 of the agent: workers started through a shell wrapper (PDEATHSIG reaches only the

@@ -77,6 +77,47 @@ TEST(Options, BothSpellingsOfEveryTorchrunFlag) {
   }
 }
 
+// Every flag of torchrun 2.x's run.py (newest read: docs/launcher.md names the commit), both
+// spellings; mapped where it means something here, refused with one line where it cannot.
+TEST(Options, Torchrun2FlagsInBothSpellings) {
+  for (const char* sep : {"-", "_"}) {
+    auto flag = [&](std::string name) {
+      for (auto& c : name)
+        if (c == '-') c = *sep;
+      return "--" + name;
+    };
+    auto o = parse({flag("shutdown-timeout") + "=30", flag("logs-specs") + "=default",
+                    flag("event-log-handler") + "=console", flag("signals-to-handle") + "=SIGTERM, SIGUSR1",
+                    flag("numa-binding") + "=socket", flag("virtual-local-rank"),
+                    flag("duplicate-stdout-filters") + "=loss,,acc,step", flag("duplicate-stderr-filters") + "=WARN",
+                    flag("log-line-prefix-template") + "=[${role_name}${local_rank}]:", "x"});
+    EXPECT_EQ(o.stop_grace, Millis(30000)) << sep;
+    EXPECT_EQ(o.numa_binding, "socket");
+    EXPECT_TRUE(o.virtual_local_rank);
+    EXPECT_EQ(o.duplicate_stdout_filters, (std::vector<std::string>{"loss,acc", "step"}));
+    EXPECT_EQ(o.duplicate_stderr_filters, (std::vector<std::string>{"WARN"}));
+    EXPECT_EQ(o.log_line_prefix_template, "[${role_name}${local_rank}]:");
+    EXPECT_EQ(o.notes.size(), 2u) << "a note each for the event handler and the signal list";
+  }
+  EXPECT_EQ(parse({"--local_rank_arg=--local_rank", "x"}).local_rank_arg, "--local_rank");
+  EXPECT_EQ(parse({"--local-rank-arg=--local-rank", "--use_env", "x"}).local_rank_arg, "") << "--use-env cancels it";
+  EXPECT_EQ(parse({"x"}, {{"shutdown_timeout", "12"}}).stop_grace, Millis(12000));
+  EXPECT_NE(refusal({"--logs-specs=mine", "x"}).find("only 'default'"), std::string::npos);
+  EXPECT_NE(refusal({"--event-log-handler=syslog", "x"}).find("not one of null"), std::string::npos);
+  EXPECT_NE(refusal({"--signals-to-handle=SIGTERM,SIGFOO", "x"}).find("'SIGFOO'"), std::string::npos);
+  EXPECT_NE(refusal({"--numa-binding=rack", "x"}).find("not one of node"), std::string::npos);
+  EXPECT_NE(refusal({"--print-completion=bash", "x"}).find("no shell completion"), std::string::npos);
+  EXPECT_NE(refusal({"--shutdown-timeout=3", "--stop-grace=4", "x"}).find("same setting"), std::string::npos);
+  EXPECT_NE(refusal({"--local-rank-arg=-l", "x"}).find("--local_rank (torch 1.x)"), std::string::npos);
+}
+
+TEST(Options, MasterPortAloneIsTheStaticFormOnThisMachine) {
+  auto o = parse({"--nnodes=1", "--master-port=29600", "x"});  // torchrun's --master-addr default
+  EXPECT_EQ(o.master_addr, "127.0.0.1");
+  EXPECT_TRUE(o.static_form());
+  EXPECT_EQ(o.static_master_port(), 29600);
+}
+
 TEST(Options, StaticFormAndSeparateValues) {
   auto o = parse({"--nnodes", "3", "--master_addr", "n1", "--master_port", "29600", "prog"});
   EXPECT_EQ(*o.min_nodes, 3);
@@ -162,7 +203,6 @@ TEST(Options, BadValuesAreOneLineErrorsNamingTheFlag) {
       {{"--monitor-interval=-1", "p"}, "--monitor-interval='-1'"},
       {{"--stop-grace=soon", "p"}, "--stop-grace='soon'"},
       {{"--master-port=70000", "--master-addr=h", "p"}, "--master-port='70000'"},
-      {{"--master-port=29500", "p"}, "--master-port needs --master-addr"},
       {{"--node-rank=-1", "p"}, "--node-rank='-1'"},
       {{"--local-ranks-filter=a", "p"}, "--local-ranks-filter='a'"},
       {{"--start-method=thread", "p"}, "--start-method='thread'"},

@@ -54,7 +54,10 @@ AttemptContext attempt_in(const AgentOptions& o, const rdzv::RoundResult& round,
           .attempt_dir = dir,
           .program_path = "",
           .argv = {},
-          .agent_tag = ""};
+          .agent_tag = "",
+          .argv_program_end = 1,
+          .numa_nodes = {},
+          .timer_file = ""};
 }
 
 TEST(WorkerEnv, InheritedEnvironmentDropsOursOnly) {
@@ -88,6 +91,48 @@ TEST(WorkerEnv, StaticFormGivesTheWorkersTheMasterPort) {
   EXPECT_EQ(top.static_store_port(), 65534);
 }
 
+TEST(WorkerEnv, Torchrun2LocalRankArgumentVirtualLocalRankAndPrefix) {
+  TempDir dir;
+  AgentOptions o;
+  o.nproc_per_node = 2;
+  o.role = "trainer";
+  o.local_rank_arg = "--local_rank";
+  o.virtual_local_rank = true;
+  o.log_line_prefix_template = "[${role_name}${local_rank}|${rank}@${hostname}]:";
+  const auto round = second_node_of_three();
+  auto a = attempt_in(o, round, dir.path() / "a");
+  a.node_name = "n2";
+  a.argv = {"python3", "-u", "train.py", "--out=r${local_rank}.txt"};
+  a.argv_program_end = 3;
+  const auto specs = worker_specs(a, {"CUDA_VISIBLE_DEVICES=4,6"});
+  ASSERT_EQ(specs.size(), 2u);
+  EXPECT_EQ(specs[1].argv, (std::vector<std::string>{"python3", "-u", "train.py", "--local_rank=1", "--out=r1.txt"}));
+  auto env = as_map(specs[1].env);
+  EXPECT_EQ(env["LOCAL_RANK"], "0");
+  EXPECT_EQ(env["CUDA_VISIBLE_DEVICES"], "6");
+  EXPECT_EQ(env["RANK"], "3");
+  EXPECT_EQ(specs[1].console_prefix, "[trainer1|3@n2]:");
+  EXPECT_EQ(console_prefix("", 5, 1, "default", "n"), "[rank 5] ");
+}
+
+TEST(WorkerEnv, NumaCpuListsAndSpread) {
+  EXPECT_EQ(parse_cpu_list("0-3,8,10-11\n"), (std::vector<int>{0, 1, 2, 3, 8, 10, 11}));
+  EXPECT_TRUE(parse_cpu_list("3-1").empty());
+  EXPECT_TRUE(parse_cpu_list("a").empty());
+  const std::vector<std::vector<int>> two = {{0, 1}, {2, 3}};
+  EXPECT_EQ(numa_cpus_for(0, 4, two), (std::vector<int>{0, 1}));
+  EXPECT_EQ(numa_cpus_for(1, 4, two), (std::vector<int>{0, 1}));
+  EXPECT_EQ(numa_cpus_for(2, 4, two), (std::vector<int>{2, 3}));
+  EXPECT_EQ(numa_cpus_for(3, 4, two), (std::vector<int>{2, 3}));
+  EXPECT_TRUE(numa_cpus_for(0, 4, {{0, 1, 2, 3}}).empty()) << "one NUMA node: no binding";
+  TempDir sys;
+  for (int n : {0, 1}) {
+    fs::create_directories(sys.path() / ("node" + std::to_string(n)));
+    std::ofstream(sys.path() / ("node" + std::to_string(n)) / "cpulist") << (n == 0 ? "0-1\n" : "2-3\n");
+  }
+  EXPECT_EQ(read_numa_nodes(sys.path()), two);
+}
+
 TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
   TempDir dir;
   AgentOptions o;
@@ -106,7 +151,10 @@ TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
                          .attempt_dir = dir.path() / "attempt_0",
                          .program_path = "/bin/true",
                          .argv = {"true", "x"},
-                         .agent_tag = "ELASTRUN_AGENT_TAG=7-00ff"};
+                         .agent_tag = "ELASTRUN_AGENT_TAG=7-00ff",
+                         .argv_program_end = 1,
+                         .numa_nodes = {},
+                         .timer_file = ""};
   const auto specs = worker_specs(a, {"PATH=/bin", "RANKING=kept"});
   ASSERT_EQ(specs.size(), 2u);
   for (int local = 0; local < 2; ++local) {
