@@ -54,6 +54,9 @@ elastic_leftovers() { # --elastic: agents, workers and store helpers are this bu
   for p in /proc/[0-9]*; do
     case $(readlink "$p/exe" 2>/dev/null) in
     "${ELASTRUN_AGENT:-/nonexistent}" | "${TEST_WORKER:-/nonexistent}")
+      # only this test's: started on this testbed (its cluster) or with this test's TMPDIR --
+      # ctest runs other tests' agents from the same build at the same time
+      grep -qszxF -e "SLURM_CLUSTER_NAME=${SPANK_CLUSTER:-/none}" -e "TMPDIR=$out/tmp" "$p/environ" || continue
       echo "process ${p#/proc/}: $(tr '\0' ' ' <"$p/cmdline" 2>/dev/null)" ;;
     esac
   done
@@ -77,6 +80,7 @@ on_exit check_leftovers
 testbed_up $NODES
 eval "$("$TB" env)"
 DIR=$("$TB" dir)
+SPANK_CLUSTER=$(sed -n 's/^ClusterName=//p' "$DIR/slurm.conf")
 use_plugin() { printf '%s\n' "$*" >"$DIR/plugstack.conf.d/elastrun.conf"; }
 use_plugin required "$SPANK_PLUGIN"
 ELASTIC_PLUGIN=(required "$SPANK_PLUGIN" "agent=$ELASTRUN_AGENT" "tmpdir=$out/state")
@@ -349,7 +353,13 @@ elastic)
   track_pid "$srun_pid"
   wait_for 120 have_files 2 "$out/k9/rank*.json" || fail "2 workers did not start"
   job=$(squeue -h -o %i | head -1)
-  store_gone() { ! pgrep -f "^$ELASTRUN_AGENT store-serve " >/dev/null; }
+  store_gone() { # no store helper of this test (its TMPDIR): other tests' agents may run meanwhile
+    local p
+    for p in $(pgrep -f "^$ELASTRUN_AGENT store-serve "); do
+      grep -qszxF "TMPDIR=$out/tmp" "/proc/$p/environ" && return 1
+    done
+    return 0
+  }
   store_gone && fail "no store helper while the step runs"
   stop_pid "$srun_pid"
   wait_for 15 store_gone || fail "the store helper outlived srun (kill -9)"
