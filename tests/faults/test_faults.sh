@@ -37,12 +37,16 @@
 #   kill_during_save  elastic.sbatch, 2 nodes x 2; the async save of step 20 is parked inside its
 #                 commit (ELASTRUN_TRAIN_PARK_SAVE_AT_STEP, a test switch of train) and every worker
 #                 is SIGKILLed there: one restart, resumed from step 15, no partial step left
-# Usage: test_faults.sh SCENARIO   Environment: ELASTRUN_BIN (build/bin), SBATCH_DIR (sbatch/),
+# With --shared-fs the private testbed has a GlusterFS volume every node mounts itself, and the
+# job's checkpoints go there (labels sharedfs: faults.node_loss_sharedfs, faults.time_limit_sharedfs).
+# Usage: test_faults.sh SCENARIO [--shared-fs]   Environment: ELASTRUN_BIN (build/bin), SBATCH_DIR (sbatch/),
 # and the shared testbed's (ELASTRUN_TESTBED_ENV; a private testbed is used).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
-scenario=${1:?usage: test_faults.sh SCENARIO}
-FAIL_TAG=$scenario
+scenario=${1:?usage: test_faults.sh SCENARIO [--shared-fs]}
+shared_fs=
+[[ ${2:-} == --shared-fs ]] && shared_fs=--shared-fs
+FAIL_TAG=$scenario${shared_fs:+ on the shared filesystem}
 bin=${ELASTRUN_BIN:?ELASTRUN_BIN: the bin directory of the build}
 job_scripts=${SBATCH_DIR:?SBATCH_DIR: the sbatch/ directory of the repository}
 [[ -x $bin/train ]] || skip "no libtorch example trainer (build/bin/train)"
@@ -108,7 +112,7 @@ check_promise() {
   # 1.
   [[ $(job_state) == COMPLETED ]] || fail "1: job $job ended $(job_state), expected COMPLETED"
   # 2.
-  "$bin/elastrun-ckpt" diff "$out/ckpt" "$out/reference" >"$out/diff.txt" 2>&1 ||
+  "$bin/elastrun-ckpt" diff "$ckpt" "$out/reference" >"$out/diff.txt" 2>&1 ||
     fail "2: the final model differs from the failure-free run: $(tail -3 "$out/diff.txt")"
   # 3. and 5.
   events_json >"$out/events.json"
@@ -150,13 +154,21 @@ PY
 
 nodes=4
 [[ $scenario == @(worker_crash|time_limit|kill_during_save) ]] && nodes=2
-private_testbed_up "$nodes" "faults-$scenario"
+# shellcheck disable=SC2086 # $shared_fs: no option or one
+private_testbed_up $shared_fs "$nodes" "faults-$scenario${shared_fs:+-sfs}"
+# the job's checkpoints: the local disk every emulated node shares, or with --shared-fs the
+# GlusterFS volume every node mounts itself (the test reads them through the login node's mount)
+ckpt=$out/ckpt
+if [[ -n $shared_fs ]]; then
+  ckpt=$TESTBED_SHARED_FS/faults-ckpt
+  echo "checkpoints on the shared filesystem: $ckpt"
+fi
 
 # the failure-free reference: one process, world 1
 "$bin/train" "${train_args[@]}" --ckpt-dir "$out/reference" >"$out/reference.log" 2>&1 ||
   fail "the reference run failed: $(tail -5 "$out/reference.log")"
 
-agent_args=(--log-dir "$out/logs" --checkpoint-dir "$out/ckpt")
+agent_args=(--log-dir "$out/logs" --checkpoint-dir "$ckpt")
 case $scenario in
 worker_crash)
   submit 2 elastic.sbatch -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 100 --fail-at-step 17:1
@@ -204,7 +216,7 @@ assert '$victim' not in members[-1] and len(members[-1]) == 3, f'the last round 
 assert not any(e['event'] == 'failure_decision' and e['action'] == 'restart' for e in events), 'a node loss counted as a restart'"
   ;;
 time_limit)
-  submit 2 requeue.sbatch CKPT="$out/ckpt" -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 100
+  submit 2 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 100
   wait_past_step 12
   scancel --signal=USR1 "$job"
   requeued=$job
@@ -228,7 +240,7 @@ decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
 assert decisions.count("restart") == 1, f"expected one counted restart after the re-form, got {decisions}"'
   ;;
 first_node)
-  submit 2-4 requeue.sbatch CKPT="$out/ckpt" -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
+  submit 2-4 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
   wait_past_step 12
   [[ $(scontrol show job "$job" | grep -o ' BatchHost=[^ ]*') == " BatchHost=n1" ]] || fail "the batch script does not run on n1"
   "$TB" kill-node n1
@@ -245,7 +257,7 @@ assert len(ended) == 1 and ended[0]["ok"] and ended[0]["exit_code"] == 0 and end
   if grep -q "srun: forcing job termination" "$out/job.out"; then fail "srun on the killed n1 ran again (testbed kill-node)"; fi
   ;;
 resize_requeue)
-  submit 2-4 requeue.sbatch CKPT="$out/ckpt" NPROC=1 -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
+  submit 2-4 requeue.sbatch CKPT="$ckpt" NPROC=1 -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
   wait_past_step 8
   "$TB" kill-node n3
   world3() {
@@ -299,7 +311,7 @@ assert len({e["run_id"] for e in rounds}) == 1, "expected one run (the het job s
   ;;
 kill_during_save)
   submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 100
-  wait_for -i 0.2 180 test -e "$out/ckpt/train-parked-save-20" || fail "the save of step 20 was not parked"
+  wait_for -i 0.2 180 test -e "$ckpt/train-parked-save-20" || fail "the save of step 20 was not parked"
   workers() { # the job's train processes
     local p
     for p in /proc/[0-9]*; do
@@ -317,7 +329,7 @@ assert worlds == [4, 4], "expected two rounds of world 4 (a restart)"
 assert [e["step"] for e in events if e["event"] == "resumed"] == [15], "expected one resume from step 15, the newest committed step"
 assert [e["action"] for e in events if e["event"] == "failure_decision"].count("restart") == 1, "expected one counted restart"
 assert sum(1 for e in events if e["event"] == "worker_exit" and e["signal"] == "SIGKILL") >= 4, "the 4 SIGKILLs are not in the log"'
-  left=$(find "$out/ckpt" -maxdepth 1 -name 'step-*.*' | tr '\n' ' ')
+  left=$(find "$ckpt" -maxdepth 1 -name 'step-*.*' | tr '\n' ' ')
   [[ -z $left ]] || fail "partial or retired step directories left: $left"
   ;;
 *)

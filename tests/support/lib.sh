@@ -27,8 +27,9 @@
 #   files        sandbox [--tmpdir] [TEMPLATE] (sets SANDBOX), worker_sandbox ERE
 #   waiting      wait_for [-i INTERVAL] [-a PID MESSAGE] SECONDS CMD..., have_files N GLOB,
 #                have_lines N PATTERN FILE...
-#   testbed      TB, private_testbed [OPTIONS] [SUFFIX], testbed_up N, private_testbed_up [OPTIONS] N
-#                [SUFFIX], remember_shared_testbed, check_shared_testbed
+#   testbed      TB, private_testbed [OPTIONS] [SUFFIX], testbed_up N [--shared-fs],
+#                private_testbed_up [OPTIONS] N [SUFFIX], remember_shared_testbed, check_shared_testbed,
+#                require_shared_fs [--machine]
 #   environment  unset_env ERE [KEEP...], free_port, free_port_pair, json FILE EXPR
 
 [[ -n ${_ELASTRUN_TEST_LIB:-} ]] && return 0
@@ -318,23 +319,49 @@ _lib_testbed_down() {
   fi
 }
 
-# testbed_up N: `testbed up N` (TESTBED_ID chosen by private_testbed), after a `down` that removes
-# the leftovers of an aborted earlier run.
+# testbed_up N [--shared-fs]: `testbed up N` (TESTBED_ID chosen by private_testbed), after a `down`
+# that removes the leftovers of an aborted earlier run.
 testbed_up() {
   "$TB" down >/dev/null 2>&1 || true
-  "$TB" up "$1"
+  "$TB" up "$@"
 }
 
-# private_testbed_up [--given-id] [--keep-on-failure] N [SUFFIX]: private_testbed, testbed_up N, and
-# the testbed's environment (SLURM_CONF, TESTBED_ID) exported, so that srun, sbatch, sinfo... use it.
+# private_testbed_up [--given-id] [--keep-on-failure] [--shared-fs] N [SUFFIX]: private_testbed,
+# testbed_up N, and the testbed's environment (SLURM_CONF, TESTBED_ID, TESTBED_SHARED_FS) exported,
+# so that srun, sbatch, sinfo... use it. --shared-fs: with a GlusterFS volume every node mounts
+# (require_shared_fs decides first whether the test can run).
 private_testbed_up() {
-  local opts=()
-  while [[ ${1:-} == --* ]]; do opts+=("$1"); shift; done
+  local opts=() up_opts=()
+  while [[ ${1:-} == --* ]]; do
+    if [[ $1 == --shared-fs ]]; then
+      require_shared_fs --machine
+      up_opts+=("$1")
+    else
+      opts+=("$1")
+    fi
+    shift
+  done
   local n=$1
   shift
   private_testbed "${opts[@]}" "$@"
-  testbed_up "$n"
+  testbed_up "$n" "${up_opts[@]}"
   eval "$("$TB" env)"
+}
+
+# require_shared_fs [--machine]: the test needs a testbed with a shared filesystem (testbed up
+# --shared-fs): the testbed in use (SLURM_CONF's) must have one (TESTBED_SHARED_FS is exported
+# then); --machine: only that this machine can provide one. Otherwise the test is skipped with the
+# reason -- but under CI (CI=true) that fails it, so that CI cannot pass without these tests.
+require_shared_fs() {
+  local why
+  if why=$("$TB" check-shared-fs 2>&1); then
+    [[ ${1:-} == --machine ]] && return 0
+    eval "$("$TB" env 2>/dev/null)"
+    [[ -n ${TESTBED_SHARED_FS:-} ]] && return 0
+    why="testbed $TESTBED_ID runs without --shared-fs"
+  fi
+  [[ ${CI:-} == true ]] && fail "needs a shared filesystem (CI=true: a missing prerequisite fails): $why"
+  skip "needs a shared filesystem: $why"
 }
 
 # remember_shared_testbed / check_shared_testbed: a test of a private testbed makes sure that the
