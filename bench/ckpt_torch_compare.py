@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """Reference figures for the checkpoint benchmark, measured in the same run as ours:
-torch.save/torch.load per rank and torch.distributed.checkpoint (DCP) save/load, N ranks
+torch.save/torch.load per rank, h5py per rank and torch.distributed.checkpoint (DCP) save/load, N ranks
 (processes, gloo), each saving MIB MiB of float32 tensors to DIR, fsynced. Loads read from the
 page cache, like ours in ckpt_bench. Prints one line per measure:
     <measure>\t<seconds>\t<GB/s>
@@ -78,6 +78,38 @@ def worker(rank, world, args, init_file, results):
     t_load = time.perf_counter() - t0
     del loaded
 
+    # h5py writing the same tensors, one file per rank (a hand-written HDF5 checkpoint), fsynced
+    t_h5 = t_h5_load = None
+    try:
+        import h5py
+
+        h5_dir = os.path.join(args.dir, "h5py")
+        os.makedirs(h5_dir, exist_ok=True)
+        h5_path = os.path.join(h5_dir, f"rank{rank}.h5")
+        dist.barrier()
+        t0 = time.perf_counter()
+        with h5py.File(h5_path, "w") as f:
+            for name, tensor in state.items():
+                f.create_dataset(name, data=tensor.numpy())
+        fd = os.open(h5_path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        if rank == 0:
+            fsync_tree(h5_dir)
+        dist.barrier()
+        t_h5 = time.perf_counter() - t0
+        targets = {name: torch.empty_like(tensor) for name, tensor in state.items()}
+        dist.barrier()
+        t0 = time.perf_counter()
+        with h5py.File(h5_path, "r") as f:
+            for name, target in targets.items():
+                f[name].read_direct(target.numpy())
+        dist.barrier()
+        t_h5_load = time.perf_counter() - t0
+    except Exception as e:  # report rather than fail
+        if rank == 0:
+            print(f"# h5py unavailable: {e}", flush=True)
+
     t_dcp = t_dcp_load = None
     try:
         lenient_dataclass_defaults()
@@ -118,6 +150,9 @@ def worker(rank, world, args, init_file, results):
     if rank == 0:
         results.put(("torch.save per rank", t_save, nbytes / t_save / 1e9))
         results.put(("torch.load per rank", t_load, nbytes / t_load / 1e9))
+        if t_h5:
+            results.put(("h5py save per rank", t_h5, nbytes / t_h5 / 1e9))
+            results.put(("h5py load per rank", t_h5_load, nbytes / t_h5_load / 1e9))
         if t_dcp:
             results.put(("torch.distributed.checkpoint save", t_dcp, nbytes / t_dcp / 1e9))
         if t_dcp_load:

@@ -12,12 +12,17 @@ Prints figures and ratios against issue #5's goals; never asserts. Run with Debi
   (c) node loss -> re-formed: two agents on this machine share an endpoint (--nnodes=1:2), one
       agent and its workers are killed with SIGKILL (a node crash); time until the survivor's
       worker restarts with WORLD_SIZE 1 (torchrun: bounded wait);
-  (d) agent peak RSS (VmHWM of the agent process, polled while it runs; goal <= 10 MB).
+  (d) agent peak RSS (VmHWM of the agent process, polled while it runs; goal <= 10 MB);
+  (e) the agent's own CPU seconds (utime + stime) and peak RSS over a run of --cpu-seconds with two
+      idle workers (`--only e`).
+With --json FILE every run's raw numbers go there (bench/run.py); (b) also measures, with torch
+workers, worker exit -> every replacement's first all-reduce done.
 Both launchers run with their default settings (torchrun: --monitor_interval 5 s, c10d
 rendezvous; Debian's torchrun 1.13 under Python 3.11 needs `--redirects 9:0 --tee 9:0`, and takes
 only the underscore spellings of its flags, which elastrun also accepts).
 """
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -56,7 +61,17 @@ def worker(mode, out):
     t = torch.ones(1)
     dist.all_reduce(t)
     done = time.time()
-    put(os.path.join(out, f"allreduce.{tag}.{rank}"), done)
+    put(os.path.join(out, f"allreduce.{tag}.{rank}.{restart}"), done)
+    if mode == "crashonce":  # rank 0 exits 1 after the first all-reduce of the first attempt
+        if restart == "0":
+            if rank == 0:
+                put(os.path.join(out, "crash"), time.time())
+                os._exit(1)
+            deadline = time.time() + 120
+            while time.time() < deadline:  # the peer blocks in an all-reduce until the restart
+                dist.all_reduce(t)
+        dist.destroy_process_group()
+        return
     if mode == "loop":  # keep all-reducing until the peer dies (the launcher restarts us)
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -196,14 +211,16 @@ class Bench:
         return rc, t0, t1
 
     # (a)
-    def first_allreduce(self, which):
+    def first_allreduce(self, which, nproc=2):
+        """(launch -> every worker's first all-reduce done, launch -> every worker process started)"""
         out = self.fresh(f"a-{which}")
-        rc, t0, _ = self.run(which, ["--standalone", "--nproc_per_node", "2", self.me, "--worker", "once", out], 120, out)
+        rc, t0, _ = self.run(which, ["--standalone", "--nproc_per_node", str(nproc), self.me, "--worker", "once", out],
+                             120, out)
         done = [read_ts(p) for p in files(out, "allreduce.")]
         starts = [read_ts(p) for p in files(out, "start.")]
-        if rc != 0 or len(done) != 2:
+        if rc != 0 or len(done) != nproc:
             return None, None
-        return max(done) - t0, min(starts) - t0
+        return max(done) - t0, max(starts) - t0
 
     def agent_only(self, which):
         out = self.fresh(f"a0-{which}")
@@ -230,6 +247,39 @@ exit 0
             return read_ts(os.path.join(out, "restarted")) - read_ts(os.path.join(out, "crash")) if rc == 0 else None
         except OSError:
             return None
+
+    # (b') with torch workers: worker exit -> every replacement's first all-reduce done
+    def crash_allreduce(self, which):
+        out = self.fresh(f"b2-{which}")
+        rc, _, _ = self.run(which, ["--standalone", "--nproc_per_node", "2", "--max_restarts", "1", self.me,
+                                    "--worker", "crashonce", out], 180, out)
+        again = [read_ts(p) for p in files(out, "allreduce.") if p.endswith(".1")]
+        try:
+            crash = read_ts(os.path.join(out, "crash"))
+        except OSError:
+            return None
+        return max(again) - crash if rc == 0 and len(again) == 2 else None
+
+    # (e) the agent's own CPU time and peak RSS over a run of `seconds` with 2 idle workers
+    def agent_cpu(self, which, seconds):
+        out = self.fresh(f"e-{which}")
+        a = Agent(self.cmd(which, "--standalone", "--nproc_per_node", "2", "--no_python", "sleep", str(seconds)),
+                  clean_env(), os.path.join(out, f"{which}.log"))
+        tick = os.sysconf("SC_CLK_TCK")
+        cpu = None
+        deadline = time.time() + seconds + 60
+        while a.proc.poll() is None and time.time() < deadline:
+            a.poll_rss()
+            try:
+                with open(f"/proc/{a.proc.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                cpu = (int(fields[11]) + int(fields[12])) / tick  # utime + stime, all threads
+            except (OSError, IndexError, ValueError):
+                pass
+            time.sleep(0.25)
+        rc = a.proc.poll()
+        a.stop()
+        return (cpu, a.hwm / 1024.0) if rc == 0 else None
 
     # (c)
     def node_loss(self, which, bound):
@@ -297,9 +347,13 @@ def main():
     p.add_argument("--torchrun", default="/usr/bin/torchrun")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--node-loss-bound", type=float, default=60.0)
-    p.add_argument("--only", default="abc", help="which of the measurements a, b, c to run (d always)")
+    p.add_argument("--only", default="abc", help="which of the measurements a, b, c, e to run (d always)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (launcher logs)")
+    p.add_argument("--cpu-seconds", type=int, default=60, help="length of the agent CPU run (e)")
+    p.add_argument("--nprocs", default="2", help="worker counts for (a), comma-separated (e.g. 1,2,4)")
+    p.add_argument("--json", help="write every run's raw figures here (for bench/run.py)")
     args = p.parse_args()
+    nprocs = [int(n) for n in args.nprocs.split(",")]
     if not os.access(args.elastrun, os.X_OK):
         sys.exit(f"launcher_bench: {args.elastrun} is not executable; build it (ninja elastrun) or pass --elastrun")
     have_torchrun = os.path.exists(args.torchrun)
@@ -314,28 +368,57 @@ def main():
             except Exception as e:  # a benchmark reports, it does not stop
                 return f"error: {e}"
 
-        for w in both:
-            if "a" not in args.only:
-                continue
-            first = [safe(b.first_allreduce, w) for _ in range(args.reps)]
-            first = [f for f in first if isinstance(f, tuple)]
-            res[w]["a"] = median([f[0] for f in first])
-            res[w]["a_start"] = median([f[1] for f in first])
+        # Each pair alternated: elastrun, torchrun, elastrun, torchrun ... (the machine's load drifts).
+        raw = {w: {} for w in both}
+
+        def record(w, key, value):
+            raw[w].setdefault(key, []).append(value if isinstance(value, (int, float)) else None)
+
+        if "a" in args.only:
+            for _ in range(args.reps):
+                for w in both:
+                    for n in nprocs:
+                        first = safe(b.first_allreduce, w, n)
+                        first = first if isinstance(first, tuple) else (None, None)
+                        record(w, f"a{n}", first[0])
+                        record(w, f"a_start{n}", first[1])
+            for w in both:
+                res[w]["a"] = median(raw[w].get(f"a{nprocs[0]}", []))
+                res[w]["a_start"] = median(raw[w].get(f"a_start{nprocs[0]}", []))
             # torchrun's agent alone takes ~10 s a run here: once is enough to compare
-            cheap = args.reps + 1 if w == "elastrun" else 1
-            res[w]["a0"] = median([safe(b.agent_only, w) for _ in range(cheap)])
-        for w in both:
-            cheap = args.reps + 1 if w == "elastrun" else 1
-            if "b" in args.only:
-                res[w]["b"] = median([safe(b.crash_restart, w) for _ in range(cheap)])
-        for w in both:
-            if "c" in args.only:
+            for w in both:
+                res[w]["a0"] = median([safe(b.agent_only, w) for _ in range(args.reps + 1 if w == "elastrun" else 1)])
+        if "b" in args.only:
+            for _ in range(args.reps):
+                for w in both:
+                    record(w, "b", safe(b.crash_restart, w))
+                    record(w, "b_allreduce", safe(b.crash_allreduce, w))
+            for w in both:
+                res[w]["b"] = median(raw[w]["b"])
+        if "e" in args.only:
+            for _ in range(args.reps if args.cpu_seconds >= 60 else 1):
+                for w in both:
+                    e = safe(b.agent_cpu, w, args.cpu_seconds)
+                    record(w, "cpu_s", e[0] if isinstance(e, tuple) else None)
+                    record(w, "cpu_run_rss_mib", e[1] if isinstance(e, tuple) else None)
+            for w in both:
+                raw[w]["cpu_run_s"] = args.cpu_seconds
+        if "c" in args.only:
+            for w in both:
                 res[w]["c"] = safe(b.node_loss, w, args.node_loss_bound)
+                raw[w]["c"] = res[w]["c"]
         for w in both:
             # sampled while the other measures ran: nothing to report if none did
             if b.rss[w]:
                 res[w]["d"] = b.rss[w] / 1024.0
                 res[w]["d_anon"] = b.anon[w] / 1024.0
+        if args.json:
+            for w in both:
+                raw[w]["rss_peak_kib"] = b.rss[w]
+                raw[w]["rss_anon_kib"] = b.anon[w]
+            with open(args.json, "w") as f:
+                json.dump({"nprocs": nprocs, "reps": args.reps, "node_loss_bound_s": args.node_loss_bound,
+                           "launchers": raw}, f, indent=1)
     finally:
         if args.keep:
             print(f"# work directory kept: {b.tmp}")

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <fstream>
 #include <atomic>
 #include <cstdlib>
 #include <string_view>
@@ -201,13 +202,47 @@ int main(int argc, char** argv) {
     for (int i = 0; i < runs; ++i) fmt::print("round complete, {} members: {:.1f} ms\n", n, round_time_ms(n, true));
     return 0;
   }
+  // rdzv_bench MEMBER_EXE [--members 4,64,1024] [--runs N] [--json OUT]
   std::string member_exe = argc > 1 ? argv[1] : "build/bin/rdzv_member";
+  std::vector<int> sizes = {4, 64, 1024};
+  int runs_per_size = 0;  // 0: 5 (3 from 1024 members on)
+  std::string json_file;
+  for (int i = 2; i + 1 < argc; i += 2) {
+    const std::string_view flag = argv[i];
+    if (flag == "--json") {
+      json_file = argv[i + 1];
+    } else if (flag == "--runs") {
+      runs_per_size = std::max(1, std::atoi(argv[i + 1]));
+    } else if (flag == "--members") {
+      sizes.clear();
+      for (std::string_view list = argv[i + 1]; !list.empty();) {
+        const auto comma = list.find(',');
+        sizes.push_back(std::atoi(std::string(list.substr(0, comma)).c_str()));
+        list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
+      }
+    }
+  }
+  nlohmann::json raw = {{"rounds_ms", nlohmann::json::object()}, {"limits", nlohmann::json::object()}};
+  raw["limits"]["nofile"] = lim.rlim_cur;
+  raw["limits"]["store_max_connections"] = StoreServerOptions{}.max_connections;
 
   fmt::print("elastrun rendezvous benchmark ({} cores)\n", std::thread::hardware_concurrency());
   fmt::print("{:<44}{:>12}{:>14}{:>10}\n", "measure", "elastrun", "goal", "ratio");
-  for (int n : {4, 64, 1024}) {
+  for (int n : sizes) {
     std::vector<double> runs;
-    for (int i = 0; i < (n >= 1024 ? 3 : 5); ++i) runs.push_back(round_time_ms(n));
+    // ~2 connections per member (and both ends in this process): say why a size cannot run
+    const std::uint64_t fds_needed = 4ULL * static_cast<std::uint64_t>(n) + 64;
+    if (fds_needed > lim.rlim_cur || 2ULL * static_cast<std::uint64_t>(n) >= StoreServerOptions{}.max_connections) {
+      raw["rounds_ms"][std::to_string(n)] = {
+          {"not_measured", fmt::format("{} members need ~{} descriptors in one process (limit {}) and {} store "
+                                       "connections (cap {})",
+                                       n, fds_needed, lim.rlim_cur, 2 * n, StoreServerOptions{}.max_connections)}};
+      fmt::print("{:<44}{:>12}\n", fmt::format("round complete, {} members", n), "not measured");
+      continue;
+    }
+    const int count = runs_per_size > 0 ? runs_per_size : (n >= 1024 ? 3 : 5);
+    for (int i = 0; i < count; ++i) runs.push_back(round_time_ms(n));
+    raw["rounds_ms"][std::to_string(n)] = runs;
     std::sort(runs.begin(), runs.end());
     double median = runs[runs.size() / 2];
     fmt::print("{:<44}{:>9.1f} ms{:>14}{:>10}\n", fmt::format("round complete, {} members (median)", n), median,
@@ -215,8 +250,13 @@ int main(int argc, char** argv) {
   }
   int port = 29777;
   std::vector<double> death, silent;
-  for (int i = 0; i < 5; ++i) death.push_back(detection_ms(member_exe, SIGKILL, 3000, port++));
-  for (int i = 0; i < 3; ++i) silent.push_back(detection_ms(member_exe, SIGSTOP, 1000, port++));
+  const int detect_runs = runs_per_size > 0 ? runs_per_size : 5;
+  for (int i = 0; i < detect_runs; ++i) death.push_back(detection_ms(member_exe, SIGKILL, 3000, port++));
+  for (int i = 0; i < std::min(detect_runs, 3); ++i) silent.push_back(detection_ms(member_exe, SIGSTOP, 1000, port++));
+  raw["detect_killed_ms"] = death;
+  raw["detect_silent_ms"] = silent;
+  raw["heartbeat_s"] = 1.0;
+  if (!json_file.empty()) std::ofstream(json_file) << raw.dump(1) << "\n";
   std::sort(death.begin(), death.end());
   std::sort(silent.begin(), silent.end());
   double d = death[death.size() / 2], s = silent[silent.size() / 2];

@@ -1,7 +1,9 @@
 // Checkpoint bandwidth vs the storage limit (dd conv=fdatasync), peak extra memory during save
 // (VmHWM delta vs the shard size) and async blocking time vs sync, measured in the same run.
 // Prints figures and ratios against the goals; never asserts. Single process or `mpirun -np N`.
-//   ckpt_bench [--dir DIR] [--mib-per-rank N] [--tensors K] [--reference FILE]
+//   ckpt_bench [--dir DIR] [--mib-per-rank N] [--tensors K] [--reference FILE] [--repeats R]
+//              [--json OUT]
+// OUT: every run's raw figures as JSON (rank 0), for bench/run.py (scripts/bench).
 // FILE: figures of the reference tools measured in the same run on the same data size
 // (bench/ckpt_torch_compare.py output, "<measure>\t<seconds>\t<GB/s>" lines); the summary then
 // puts our save and load bandwidth beside theirs.
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include "elastrun/ckpt/async_saver.hpp"
 #include "elastrun/ckpt/checkpoint.hpp"
@@ -117,9 +120,15 @@ int main(int argc, char** argv) {
   std::uint64_t mib_per_rank = 256;
   int tensor_count = 8;
   fs::path reference_file;
+  fs::path json_file;
+  int repeats = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
-    if (flag == "--dir")
+    if (flag == "--json")
+      json_file = argv[i + 1];
+    else if (flag == "--repeats")
+      repeats = std::max(1, std::stoi(argv[i + 1]));
+    else if (flag == "--dir")
       dir = argv[i + 1];
     else if (flag == "--mib-per-rank")
       mib_per_rank = std::stoull(argv[i + 1]);
@@ -194,7 +203,7 @@ int main(int argc, char** argv) {
   options.alignment = 1 << 20;  // stripe-sized alignment, as on a parallel FS
   std::vector<double> save_ratios, dd_rates, save_times;
   double save_extra = 0;
-  for (int repeat = 0; repeat < 3; ++repeat) {
+  for (int repeat = 0; repeat < repeats; ++repeat) {
     const double dd_rate = run_dd("dd conv=fdatasync (all ranks)");
     comm.barrier();
     reset_peak_rss();
@@ -218,7 +227,8 @@ int main(int argc, char** argv) {
   std::vector<double> shared_ratios, shared_file_ratios;
   double shared_extra = 0;
   std::uint64_t baseline = 0;
-  for (int repeat = 0; repeat < 3; ++repeat) {
+  std::vector<double> shared_times;
+  for (int repeat = 0; repeat < repeats; ++repeat) {
     const double dd_rate = run_dd("dd conv=fdatasync (all ranks)");
     const double shared_dd_rate = run_shared_dd("dd into one shared file");
     comm.barrier();
@@ -230,6 +240,7 @@ int main(int argc, char** argv) {
     shared_extra = std::max(shared_extra, max_over_ranks(peak_extra_bytes(baseline)));
     const double shared_rate = report("save shared-file (MPI-IO)", shared_secs);
     shared_ratios.push_back(shared_rate / dd_rate);
+    shared_times.push_back(total_bytes / shared_rate);
     shared_file_ratios.push_back(shared_rate / shared_dd_rate);
   }
 
@@ -239,12 +250,46 @@ int main(int argc, char** argv) {
                                         data[t].data()));
   }
   double load_rate[2] = {0, 0};
-  for (bool verify : {true, false}) {
-    comm.barrier();
-    start = Clock::now();
-    const auto restored = restore_latest(root, targets, comm, RestoreOptions{verify, 1, {}});
-    if (!restored && rank == 0) fmt::print("load FAILED: the newest step did not restore\n");
-    load_rate[verify ? 0 : 1] = report(verify ? "load (verify hashes)" : "load (no verify)", seconds_since(start));
+  std::vector<double> load_times[2];
+  for (int repeat = 0; repeat < repeats; ++repeat) {
+    for (bool verify : {true, false}) {
+      comm.barrier();
+      start = Clock::now();
+      const auto restored = restore_latest(root, targets, comm, RestoreOptions{verify, 1, {}});
+      if (!restored && rank == 0) fmt::print("load FAILED: the newest step did not restore\n");
+      load_rate[verify ? 0 : 1] = report(verify ? "load (verify hashes)" : "load (no verify)", seconds_since(start));
+      load_times[verify ? 0 : 1].push_back(total_bytes / load_rate[verify ? 0 : 1]);
+    }
+  }
+  // Resharded load onto one rank fewer (4 -> 3): the first world-1 ranks restore every tensor
+  // split by rows into world-1 parts, through a communicator of their own.
+  std::vector<double> reshard_times;
+  if (world > 1) {
+    MPI_Comm fewer = MPI_COMM_NULL;
+    MPI_Comm_split(MPI_COMM_WORLD, rank < world - 1 ? 0 : MPI_UNDEFINED, rank, &fewer);
+    for (int repeat = 0; repeat < repeats; ++repeat) {
+      double secs = 0;
+      if (fewer != MPI_COMM_NULL) {
+        MpiCommunicator sub(fewer);
+        const std::uint64_t all_rows = rows * world;
+        const std::uint64_t begin = all_rows * rank / (world - 1);
+        const std::uint64_t end = all_rows * (rank + 1) / (world - 1);
+        std::vector<std::vector<float>> buffers(tensor_count, std::vector<float>((end - begin) * columns));
+        std::vector<TensorTarget> resharded;
+        for (int t = 0; t < tensor_count; ++t) {
+          resharded.push_back(TensorTarget::box(fmt::format("model/t{}", t), DType::float32, {begin, 0},
+                                                {end - begin, columns}, buffers[t].data()));
+        }
+        sub.barrier();
+        start = Clock::now();
+        const auto restored = restore_latest(root, resharded, sub, RestoreOptions{true, 1, {}});
+        secs = seconds_since(start);
+        if (!restored && rank == 0) fmt::print("resharded load FAILED\n");
+      }
+      const double rate = report(fmt::format("load resharded {} -> {} (verify)", world, world - 1).c_str(), secs);
+      reshard_times.push_back(total_bytes / rate);
+    }
+    if (fewer != MPI_COMM_NULL) MPI_Comm_free(&fewer);
   }
 
   // After each async save() returns, training overwrites the whole state (an optimizer step
@@ -257,6 +302,7 @@ int main(int argc, char** argv) {
   };
   struct AsyncFigures {
     double blocked = 0, total = 0, overwrite = 0, idle_overwrite = 0;
+    std::vector<double> blocked_runs, total_runs;
     double snapshot_bytes = 0;  // max over ranks and saves of SaveResult::snapshot_bytes
   };
   // One warm-up save (first touch of staging memory is slow here), then three timed saves (the
@@ -267,7 +313,7 @@ int main(int argc, char** argv) {
     saver.wait();
     std::vector<double> blocked_runs, total_runs, write_runs, idle_runs;
     double snapshot_bytes = 0;
-    for (int repeat = 0; repeat < 3; ++repeat) {
+    for (int repeat = 0; repeat < repeats; ++repeat) {
       comm.barrier();
       idle_runs.push_back(max_over_ranks(overwrite_state(static_cast<float>(repeat))));
       comm.barrier();
@@ -285,7 +331,12 @@ int main(int argc, char** argv) {
       report(fmt::format("{}: until durable", label).c_str(), total_local);
       report("  state overwrite while it writes", write_local);
     }
-    return AsyncFigures{median(blocked_runs), median(total_runs), median(write_runs), median(idle_runs),
+    return AsyncFigures{median(blocked_runs),
+                        median(total_runs),
+                        median(write_runs),
+                        median(idle_runs),
+                        blocked_runs,
+                        total_runs,
                         max_over_ranks(snapshot_bytes)};
   };
   comm.barrier();
@@ -308,10 +359,11 @@ int main(int argc, char** argv) {
   // Floor for the async blocking time: one memcpy of this rank's shard into warm memory of the
   // same size (as the staging buffers are), median of three.
   double copy_secs = 0;
+  std::vector<double> memcpy_runs;
   {
     std::vector<std::vector<float>> scratch(tensor_count, std::vector<float>(rows * columns, 0.0F));
     std::vector<double> copies;
-    for (int repeat = 0; repeat < 3; ++repeat) {
+    for (int repeat = 0; repeat < std::max(3, repeats); ++repeat) {
       comm.barrier();
       start = Clock::now();
       for (int t = 0; t < tensor_count; ++t) {
@@ -321,6 +373,7 @@ int main(int argc, char** argv) {
       report("memcpy of the shard (blocking floor)", copies.back());
     }
     copy_secs = median(copies);
+    memcpy_runs = copies;
   }
   if (rank == 0) {
     const double mib = 1024.0 * 1024.0;
@@ -380,6 +433,32 @@ int main(int argc, char** argv) {
       fmt::print("peak extra RSS: not measured (/proc/self/clear_refs not writable)\n");
       fmt::print("{:<44} {:>8.2f}   (the writer process's peak private memory)\n",
                  "peak extra memory / shard, async (fork)", forks.snapshot_bytes / shard_bytes);
+    }
+    if (!json_file.empty()) {
+      // Raw figures of this run: times in seconds (the slowest rank's), sizes in bytes.
+      const nlohmann::json out = {
+          {"world", world},
+          {"mib_per_rank", mib_per_rank},
+          {"tensors", tensor_count},
+          {"total_bytes", total_bytes},
+          {"shard_bytes", shard_bytes},
+          {"save_file_per_rank_s", save_times},
+          {"save_shared_file_s", shared_times},
+          {"dd_paired_Bps", dd_rates},
+          {"load_verified_s", load_times[0]},
+          {"load_no_verify_s", load_times[1]},
+          {"load_resharded_s", reshard_times},
+          {"async_copy_blocked_s", copied.blocked_runs},
+          {"async_copy_durable_s", copied.total_runs},
+          {"async_fork_blocked_s", forks.blocked_runs},
+          {"async_fork_durable_s", forks.total_runs},
+          {"memcpy_shard_s", memcpy_runs},
+          {"peak_extra_sync_bytes", peak_ok ? nlohmann::json(save_extra) : nlohmann::json()},
+          {"peak_extra_shared_bytes", peak_ok ? nlohmann::json(shared_extra) : nlohmann::json()},
+          {"peak_extra_async_bytes", peak_ok ? nlohmann::json(async_extra) : nlohmann::json()},
+          {"fork_snapshot_bytes", forks.snapshot_bytes},
+      };
+      std::ofstream(json_file) << out.dump(2) << "\n";
     }
     std::error_code ec;
     fs::remove_all(root, ec);

@@ -38,7 +38,8 @@
 #                 commit (ELASTRUN_TRAIN_PARK_SAVE_AT_STEP, a test switch of train) and every worker
 #                 is SIGKILLed there: one restart, resumed from step 15, no partial step left
 # With --shared-fs the private testbed has a GlusterFS volume every node mounts itself, and the
-# job's checkpoints go there (labels sharedfs: faults.node_loss_sharedfs, faults.time_limit_sharedfs).
+# job's checkpoints go there (labels sharedfs: faults.node_loss_sharedfs, faults.time_limit_sharedfs,
+# faults.kill_during_save_sharedfs).
 # Usage: test_faults.sh SCENARIO [--shared-fs]   Environment: ELASTRUN_BIN (build/bin), SBATCH_DIR (sbatch/),
 # and the shared testbed's (ELASTRUN_TESTBED_ENV; a private testbed is used).
 set -euo pipefail

@@ -1,0 +1,650 @@
+#!/usr/bin/python3
+"""bench/run.py -- every benchmark figure of elastrun against its anchor, measured in the same run.
+
+`scripts/bench` runs this (after building). Each figure pairs an elastrun measurement with its
+anchor (the reference tool, the storage limit, or where no tool exists, the goal), both measured
+here, alternated A B A B ... over --runs rounds (default 5); `--quick` does one small round of each.
+Outputs, in --out (default bench/results; --quick: build/bench-results):
+    latest.json   every run's raw numbers, machine, git commit, time, and the figures
+    report.md     method, machine, the table, what each figure means; charts *.png beside it
+and a table on the terminal. Never asserts a timing: figures are reported, goals marked met or not.
+
+Groups (--only, comma-separated): storage, ckpt, launcher, rdzv. The checkpoint and storage figures
+are measured on the local disk (--dir, default /tmp) and, where this machine can give one, on a
+GlusterFS volume of a private testbed (tests/cluster/testbed up 1 --shared-fs; --no-shared-fs
+skips it), each against the same volume's storage limit.
+Run with Debian's /usr/bin/python3 (torch 1.13, h5py, matplotlib).
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PY = "/usr/bin/python3"
+SCHEMA = "elastrun-bench/1"
+GROUPS = ("storage", "ckpt", "launcher", "rdzv")
+
+
+def log(msg):
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(argv, timeout, **kw):
+    """Runs argv; returns CompletedProcess (never raises on a non-zero exit)."""
+    return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout, **kw)
+
+
+def stats(values):
+    xs = [v for v in values if isinstance(v, (int, float))]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+# ------------------------------------------------------------------------------------------ probes
+class Storage:
+    """The storage limit of one filesystem: fio (1 and 4 jobs; buffered with an fsync at the end, and
+    O_DIRECT; 4 MiB blocks) and dd (4 writers, conv=fdatasync), writes and cached reads; bytes/s."""
+
+    def __init__(self, path, mib_total):
+        self.path, self.mib = path, mib_total
+
+    def fio(self, rw, jobs, direct):
+        d = tempfile.mkdtemp(prefix="fio-", dir=self.path)
+        try:
+            size = max(4, self.mib // jobs)
+            argv = ["fio", "--name=limit", f"--directory={d}", f"--rw={rw}", "--bs=4m", f"--size={size}m",
+                    f"--numjobs={jobs}", f"--direct={1 if direct else 0}", "--ioengine=psync", "--group_reporting",
+                    "--output-format=json"]
+            if rw == "write":
+                argv.append("--end_fsync=1")
+            else:  # lay the files out first (not timed), then read them
+                r = run(argv[:3] + ["--rw=write"] + argv[4:] + ["--end_fsync=1"], 600)
+                if r.returncode != 0:
+                    return None
+            r = run(argv, 600)
+            if r.returncode != 0:
+                return None
+            job = json.loads(r.stdout[r.stdout.index("{"):])["jobs"][0]
+            return float(job[rw]["bw_bytes"]) or None
+        except (ValueError, KeyError, subprocess.TimeoutExpired):
+            return None
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def dd(self, writers=4, read=False, path=None):
+        d = tempfile.mkdtemp(prefix="dd-", dir=path or self.path)
+        try:
+            per = max(1, self.mib // writers)
+            files = [os.path.join(d, f"dd{i}") for i in range(writers)]
+
+            def batch(argvs):
+                t0 = time.perf_counter()
+                procs = [subprocess.Popen(a, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for a in argvs]
+                ok = all(p.wait() == 0 for p in procs)
+                return time.perf_counter() - t0 if ok else None
+
+            w = batch([["dd", "if=/dev/zero", f"of={f}", "bs=1M", f"count={per}", "conv=fdatasync"] for f in files])
+            if not read:
+                return per * writers * 2**20 / w if w else None
+            r = batch([["dd", f"if={f}", "of=/dev/null", "bs=1M"] for f in files])
+            return per * writers * 2**20 / r if r else None
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def measure(self):
+        out = {
+            "dd_write": self.dd(),
+            "fio_write_1job": self.fio("write", 1, False),
+            "fio_write_4jobs": self.fio("write", 4, False),
+            "fio_write_direct_1job": self.fio("write", 1, True),
+            "fio_write_direct_4jobs": self.fio("write", 4, True),
+            "dd_read_cached": self.dd(read=True),
+            "fio_read_cached_4jobs": self.fio("read", 4, False),
+            "fio_read_direct_4jobs": self.fio("read", 4, True),
+        }
+        writes = [v for k, v in out.items() if "write" in k and v]
+        reads = [v for k, v in out.items() if "read" in k and v]
+        out["write_limit"] = max(writes) if writes else None
+        out["read_limit"] = max(reads) if reads else None
+        return out
+
+
+def probe_ckpt(bin_dir, path, mib_per_rank, tensors, work):
+    """One run of ckpt_bench (4 MPI ranks, both layouts, sync/async/load/resharded load)."""
+    out = os.path.join(work, "ckpt_bench.json")
+    argv = ["mpirun", "--oversubscribe", "-np", "4"]
+    if os.getuid() == 0:
+        argv.append("--allow-run-as-root")
+    argv += [os.path.join(bin_dir, "ckpt_bench"), "--dir", path, "--mib-per-rank", str(mib_per_rank),
+             "--tensors", str(tensors), "--repeats", "1", "--json", out]
+    env = dict(os.environ, OMPI_MCA_btl="self,vader,tcp")
+    r = run(argv, 1800, env=env)
+    if r.returncode != 0 or not os.path.exists(out):
+        return {"error": (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]}
+    with open(out) as f:
+        return json.load(f)
+
+
+def probe_ckpt_anchors(path, mib_per_rank, tensors):
+    """torch.save/torch.load per rank, h5py per rank, torch.distributed.checkpoint: seconds."""
+    r = run([PY, os.path.join(HERE, "ckpt_torch_compare.py"), path, "--ranks", "4", "--mib-per-rank", str(mib_per_rank),
+             "--tensors", str(tensors)], 1800)
+    out = {"notes": []}
+    for line in r.stdout.splitlines():
+        if line.startswith("#"):
+            out["notes"].append(line[1:].strip())
+            continue
+        parts = line.split("\t")
+        if len(parts) == 3:
+            out[parts[0]] = float(parts[1])
+    if r.returncode != 0:
+        out["notes"].append(f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:] }")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ figures
+class Figures:
+    def __init__(self):
+        self.items = []
+
+    def add(self, fid, group, title, unit, better, ours, anchor_name, anchor, goal=None, note="", why=None):
+        """ours/anchor: lists of per-run values (None = a run that failed). better: 'higher' or 'lower'
+        (for ours). goal: (op, value, text) on the ratio, ratio = how many times better ours is
+        (anchor/ours for 'lower', ours/anchor for 'higher'): a goal "ours <= 1.2x the anchor" is
+        ratio >= 1/1.2."""
+        o, a = stats(ours), stats(anchor)
+        ratio = None
+        if o and a and o["median"] > 0 and a["median"] > 0:
+            ratio = o["median"] / a["median"] if better == "higher" else a["median"] / o["median"]
+        met = None
+        if goal and ratio is not None:
+            op, value, _ = goal
+            met = ratio >= value if op == ">=" else ratio <= value
+        fig = {"id": fid, "group": group, "title": title, "unit": unit, "better": better,
+               "elastrun": {"runs": ours, **(o or {})}, "anchor": {"name": anchor_name, "runs": anchor, **(a or {})},
+               "ratio": ratio, "goal": goal[2] if goal else None, "met": met, "note": note}
+        if why or not o or not a:
+            fig["not_measured"] = why or ("elastrun side failed" if not o else f"anchor '{anchor_name}' failed")
+        self.items.append(fig)
+
+
+def gbs(nbytes, seconds):
+    return [nbytes / s / 1e9 if s else None for s in seconds]
+
+
+def ckpt_figures(figs, fs, rounds):
+    """rounds: list of {"storage":..., "ours":..., "anchors":...}"""
+    ok = [r for r in rounds if "error" not in r["ours"]]
+    if not ok:
+        why = rounds[0]["ours"].get("error") if rounds else "not run"
+        figs.add(f"ckpt.{fs}.save", "ckpt", f"[{fs}] sync save, file-per-rank", "GB/s", "higher", [], "storage limit",
+                 [], why=f"ckpt_bench failed: {why}")
+        return
+    total = ok[0]["ours"]["total_bytes"]
+    shard = ok[0]["ours"]["shard_bytes"]
+    one = lambda key: [r["ours"][key][0] if r["ours"].get(key) else None for r in ok]
+    limit = [r["storage"]["write_limit"] / 1e9 if r["storage"]["write_limit"] else None for r in ok]
+    read_limit = [r["storage"]["read_limit"] / 1e9 if r["storage"]["read_limit"] else None for r in ok]
+    anchor = lambda name: [r["anchors"].get(name) for r in ok]
+    size = f"{total / 2**30:.2f} GiB over 4 ranks, {ok[0]['ours']['tensors']} tensors"
+    save = gbs(total, one("save_file_per_rank_s"))
+    shared = gbs(total, one("save_shared_file_s"))
+    load = gbs(total, one("load_verified_s"))
+    figs.add(f"ckpt.{fs}.save_vs_limit", "ckpt", f"[{fs}] sync save, file-per-rank vs storage limit", "GB/s", "higher",
+             save, "storage limit (best of fio and dd)", limit, (">=", 0.9, ">= 0.9x"), size)
+    figs.add(f"ckpt.{fs}.save_shared_vs_limit", "ckpt", f"[{fs}] sync save, MPI-IO shared file vs storage limit", "GB/s",
+             "higher", shared, "storage limit (best of fio and dd)", limit, (">=", 0.9, ">= 0.9x"), size)
+    figs.add(f"ckpt.{fs}.save_vs_dcp", "ckpt", f"[{fs}] sync save vs torch.distributed.checkpoint save", "GB/s",
+             "higher", save, "DCP save (torch 1.13)", gbs(total, anchor("torch.distributed.checkpoint save")),
+             (">=", 2.0, ">= 2x"), size)
+    figs.add(f"ckpt.{fs}.save_vs_torch_save", "ckpt", f"[{fs}] sync save vs torch.save per rank", "GB/s", "higher", save,
+             "torch.save per rank", gbs(total, anchor("torch.save per rank")), None, size)
+    figs.add(f"ckpt.{fs}.save_vs_h5py", "ckpt", f"[{fs}] sync save vs h5py per rank", "GB/s", "higher", save,
+             "h5py, one file per rank", gbs(total, anchor("h5py save per rank")), None, size)
+    figs.add(f"ckpt.{fs}.load_vs_torch_load", "ckpt", f"[{fs}] load into existing tensors (hashes verified) vs torch.load",
+             "GB/s", "higher", load, "torch.load per rank", gbs(total, anchor("torch.load per rank")),
+             (">=", 4.0, ">= 4x"), "page cache warm for both")
+    figs.add(f"ckpt.{fs}.load_vs_dcp", "ckpt", f"[{fs}] load vs DCP load", "GB/s", "higher", load, "DCP load (torch 1.13)",
+             gbs(total, anchor("torch.distributed.checkpoint load")), None, "page cache warm for both")
+    figs.add(f"ckpt.{fs}.resharded_load_vs_read_limit", "ckpt", f"[{fs}] resharded load 4 -> 3 ranks vs read limit",
+             "GB/s", "higher", gbs(total, one("load_resharded_s")), "read limit (best of fio and dd, cached)", read_limit,
+             None, "hashes verified")
+    blocked = one("async_copy_blocked_s")
+    figs.add(f"ckpt.{fs}.async_blocking_vs_memcpy", "ckpt", f"[{fs}] async save: training blocked vs memcpy of the shard",
+             "s", "lower", blocked, "memcpy of the shard into warm memory", [min(r["ours"]["memcpy_shard_s"]) for r in ok],
+             (">=", 1 / 1.2, "<= 1.2x the memcpy"), "copy snapshot (the default)")
+    figs.add(f"ckpt.{fs}.async_durable_vs_sync", "ckpt", f"[{fs}] async save: until durable vs a sync save", "s", "lower",
+             one("async_copy_durable_s"), "sync save (file-per-rank)", one("save_file_per_rank_s"), None,
+             "training goes on meanwhile")
+    extra = [r["ours"].get("peak_extra_sync_bytes") for r in ok]
+    figs.add(f"ckpt.{fs}.extra_memory_vs_shard", "ckpt", f"[{fs}] peak extra memory during a sync save vs the shard",
+             "MiB", "lower", [e / 2**20 if e is not None else None for e in extra], "one shard", [shard / 2**20] * len(ok),
+             (">=", 1 / 1.1, "<= 1.1x the shard"), "VmHWM rise, max over ranks",
+             why=None if any(e is not None for e in extra) else "/proc/self/clear_refs not writable")
+
+
+def storage_figures(figs, fs, samples, shm=None):
+    get = lambda k: [s.get(k) / 1e9 if s.get(k) else None for s in samples]
+    best_fio = [max([v for k, v in s.items() if k.startswith("fio_write") and v] or [0]) / 1e9 or None for s in samples]
+    figs.add(f"storage.{fs}.write_fio_vs_dd", "storage", f"[{fs}] write limit: best fio vs dd conv=fdatasync", "GB/s",
+             "higher", best_fio, "dd, 4 writers, conv=fdatasync", get("dd_write"), None,
+             "fio: 1 and 4 jobs, buffered + fsync at the end and O_DIRECT, 4 MiB blocks; the ceiling is the best of all")
+    best_read = [max([v for k, v in s.items() if k.startswith("fio_read") and v] or [0]) / 1e9 or None for s in samples]
+    figs.add(f"storage.{fs}.read_fio_vs_dd", "storage", f"[{fs}] read limit: best fio vs dd (cached)", "GB/s", "higher",
+             best_read, "dd, 4 readers, page cache warm", get("dd_read_cached"), None, "fio: buffered (cached) and O_DIRECT")
+    if shm is not None:
+        figs.add(f"storage.{fs}.write_vs_shm", "storage", f"[{fs}] write limit vs /dev/shm (memory)", "GB/s", "higher",
+                 [s["write_limit"] / 1e9 if s.get("write_limit") else None for s in samples], "dd into /dev/shm, 4 writers",
+                 [v / 1e9 if v else None for v in shm], None, "how far the disk is from memory speed")
+
+
+def launcher_figures(figs, raw, nprocs, why=None):
+    if why:
+        figs.add("launcher.launch_share", "launcher", "launch -> every worker started", "s", "lower", [], "torchrun", [],
+                 why=why)
+        return
+    e, t = raw["launchers"].get("elastrun", {}), raw["launchers"].get("torchrun", {})
+    for n in nprocs:
+        figs.add(f"launcher.launch_share_{n}procs", "launcher", f"standalone, {n} procs: launch -> every worker started",
+                 "s", "lower", e.get(f"a_start{n}", []), "torchrun 1.13", t.get(f"a_start{n}", []),
+                 (">=", 10.0, ">= 10x"), "the launcher's own share")
+        figs.add(f"launcher.first_allreduce_{n}procs", "launcher",
+                 f"standalone, {n} procs: launch -> first all-reduce in every worker", "s", "lower",
+                 e.get(f"a{n}", []), "torchrun 1.13", t.get(f"a{n}", []), None, "dominated by `import torch` (~1 s)")
+    figs.add("launcher.crash_allreduce", "launcher", "worker exit -> every replacement's first all-reduce done",
+             "s", "lower", e.get("b_allreduce", []), "torchrun 1.13", t.get("b_allreduce", []), (">=", 10.0, ">= 10x"),
+             "2 torch workers, rank 0 exits 1 after its first all-reduce; includes the replacements' `import torch`")
+    figs.add("launcher.crash_restart", "launcher", "worker exit -> replacement process started", "s", "lower",
+             e.get("b", []), "torchrun 1.13", t.get("b", []), (">=", 10.0, ">= 10x"), "shell workers: the launcher's share")
+    c_e, c_t = e.get("c"), t.get("c")
+    bound = raw.get("node_loss_bound_s")
+    note = "; ".join(f"{w}: {v}" for w, v in (("elastrun", c_e), ("torchrun", c_t)) if isinstance(v, str))
+    if isinstance(c_t, str) and c_t.startswith(">") and bound:
+        # torchrun did not recover within the bounded wait: the bound is a lower bound of its time
+        note = f"torchrun did not recover within {bound:.0f} s: its figure is that lower bound. " + note
+        c_t = float(bound)
+    figs.add("launcher.node_loss_standalone", "launcher", "two agents on one machine, one SIGKILLed -> survivor's worker "
+             "restarted at world 1", "s", "lower", [c_e if isinstance(c_e, (int, float)) else None], "torchrun 1.13",
+             [c_t if isinstance(c_t, (int, float)) else None], None, note)
+    secs = e.get("cpu_run_s", 60)
+    figs.add("launcher.agent_cpu", "launcher", f"agent CPU seconds over a {secs} s run (2 idle workers)", "s", "lower",
+             e.get("cpu_s", []), "torchrun's agent", t.get("cpu_s", []), None, "utime + stime of the agent process")
+    figs.add("launcher.agent_peak_rss", "launcher", f"agent peak RSS (VmHWM) over the {secs} s run", "MiB", "lower",
+             e.get("cpu_run_rss_mib", []), "torchrun's agent", t.get("cpu_run_rss_mib", []), None,
+             f"over all launcher runs: elastrun {e.get('rss_peak_kib', 0) / 1024:.1f} MiB, "
+             f"torchrun {t.get('rss_peak_kib', 0) / 1024:.1f} MiB")
+
+
+def rdzv_figures(figs, raw, why=None):
+    if why:
+        figs.add("rdzv.round", "rdzv", "rendezvous round", "ms", "lower", [], "goal", [], why=why)
+        return
+    goal_ms = {1024: 300.0}
+    for n, runs in raw["rounds_ms"].items():
+        n = int(n)
+        if isinstance(runs, dict):
+            figs.add(f"rdzv.round_{n}", "rdzv", f"rendezvous round, {n} simulated members", "ms", "lower", [],
+                     "goal", [], why=runs.get("not_measured"))
+            continue
+        goal = goal_ms.get(n)
+        figs.add(f"rdzv.round_{n}", "rdzv", f"rendezvous round, {n} simulated members", "ms", "lower", runs,
+                 "goal (no other tool forms such rounds here)" if goal else "the 4-member round",
+                 [goal] * len(runs) if goal else raw["rounds_ms"].get("4", []),
+                 (">=", 1.0, "< 300 ms") if goal else None,
+                 "" if goal else "cost of scale: ratio < 1 means slower than 4 members")
+    hb = raw.get("heartbeat_s", 1.0) * 1000
+    figs.add("rdzv.detect_killed", "rdzv", "detection of a SIGKILLed member", "ms", "lower", raw["detect_killed_ms"],
+             "goal", [100.0] * len(raw["detect_killed_ms"]), (">=", 1.0, "< 100 ms"),
+             "connection loss; torchrun needs missed heartbeats (~15 s+)")
+    figs.add("rdzv.detect_silent", "rdzv", f"detection of a silent (SIGSTOPped) member, heartbeat {hb / 1000:.0f} s",
+             "ms", "lower", raw["detect_silent_ms"], "goal: heartbeat + 0.5 s", [hb + 500.0] * len(raw["detect_silent_ms"]),
+             (">=", 1.0, "<= heartbeat + 0.5 s"), "")
+
+
+# ------------------------------------------------------------------------------------------ output
+def machine(paths):
+    def first_line(argv):
+        try:
+            return run(argv, 30).stdout.strip().splitlines()[0]
+        except (OSError, IndexError, subprocess.TimeoutExpired):
+            return None
+
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), None)
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fss = {}
+    for name, p in paths.items():
+        fss[name] = {"path": p, "fstype": first_line(["findmnt", "-n", "-o", "FSTYPE", "--target", p])}
+    torch_v = first_line([PY, "-c", "import torch; print(torch.__version__)"])
+    return {"hostname": platform.node(), "cores": os.cpu_count(), "memory_gib": round(mem / 2**30, 1), "cpu": cpu,
+            "kernel": platform.release(), "os": first_line(["sh", "-c", ". /etc/os-release; echo $PRETTY_NAME"]),
+            "torch": torch_v, "fio": first_line(["fio", "--version"]), "filesystems": fss}
+
+
+def git_info():
+    commit = run(["git", "-C", ROOT, "rev-parse", "HEAD"], 30).stdout.strip() or None
+    dirty = bool(run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"], 30).stdout.strip())
+    return commit, dirty
+
+
+def fmt_value(v, unit):
+    if v is None:
+        return "n/a"
+    return f"{v:.3g} {unit}" if abs(v) < 1000 else f"{v:.0f} {unit}"
+
+
+def cell(side, unit):
+    if "median" not in side:
+        return "n/a"
+    if side["n"] == 1:
+        return fmt_value(side["median"], unit)
+    return f"{fmt_value(side['median'], unit)} [{side['min']:.3g}–{side['max']:.3g}]"
+
+
+def table_rows(figs):
+    rows = []
+    for f in figs:
+        ratio = f"{f['ratio']:.2f}x" if f["ratio"] is not None else "n/a"
+        met = {True: "met", False: "NOT met", None: "-"}[f["met"]]
+        rows.append((f["title"], cell(f["elastrun"], f["unit"]), f["anchor"]["name"], cell(f["anchor"], f["unit"]),
+                     ratio, f["goal"] or "-", met if "not_measured" not in f else "not measured"))
+    return rows
+
+
+def print_table(figs):
+    head = ("figure", "elastrun median [min-max]", "anchor", "anchor median [min-max]", "ratio", "goal", "")
+    rows = [head] + table_rows(figs)
+    widths = [min(60, max(len(r[i]) for r in rows)) for i in range(len(head))]
+    for r in rows:
+        print("  ".join(c[:widths[i]].ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+    for f in figs:
+        if "not_measured" in f:
+            print(f"  not measured: {f['title']}: {f['not_measured']}")
+
+
+def charts(figs, raw, out):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        return [f"charts not drawn: {e}"]
+    made = []
+    # launch and recovery: elastrun vs torchrun, seconds (log scale)
+    lf = [f for f in figs if f["group"] == "launcher" and f["unit"] == "s" and "median" in f["elastrun"]
+          and "median" in f["anchor"]]
+    if lf:
+        fig, ax = plt.subplots(figsize=(9, 0.5 + 0.55 * len(lf)))
+        ys = range(len(lf))
+        ax.barh([y + 0.2 for y in ys], [f["elastrun"]["median"] for f in lf], 0.4, label="elastrun")
+        ax.barh([y - 0.2 for y in ys], [f["anchor"]["median"] for f in lf], 0.4, label="torchrun 1.13")
+        ax.set_yticks(list(ys), [f["title"][:60] for f in lf], fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("seconds (median, log scale)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "launch.png"), dpi=110)
+        plt.close(fig)
+        made.append("launch.png")
+    # checkpoint GB/s per tool, per filesystem, with the storage limit
+    for fs in sorted({f["id"].split(".")[1] for f in figs if f["group"] == "ckpt"}):
+        bars = {}
+        for f in figs:
+            if not f["id"].startswith(f"ckpt.{fs}.") or f["unit"] != "GB/s":
+                continue
+            if "median" in f["elastrun"]:
+                bars.setdefault("elastrun " + f["title"].split("] ")[1].split(" vs ")[0], f["elastrun"]["median"])
+            if "median" in f["anchor"]:
+                bars.setdefault(f["anchor"]["name"], f["anchor"]["median"])
+        if not bars:
+            continue
+        fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(bars)))
+        names = list(bars)
+        colors = ["tab:blue" if n.startswith("elastrun") else ("tab:gray" if "limit" in n else "tab:orange")
+                  for n in names]
+        ax.barh(range(len(names)), [bars[n] for n in names], color=colors)
+        ax.set_yticks(range(len(names)), [n[:60] for n in names], fontsize=7)
+        ax.set_xlabel(f"GB/s on {fs} (median; blue: elastrun, gray: storage limit, orange: other tools)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, f"ckpt-{fs}.png"), dpi=110)
+        plt.close(fig)
+        made.append(f"ckpt-{fs}.png")
+    # rendezvous time vs members, log-log
+    rounds = (raw.get("rdzv") or {}).get("rounds_ms", {})
+    pts = sorted((int(n), statistics.median(v)) for n, v in rounds.items() if isinstance(v, list) and v)
+    if pts:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o-", label="elastrun round (median)")
+        ax.axhline(300, color="tab:red", ls="--", label="goal for 1024 members: 300 ms")
+        ax.set_xlabel("members per round")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, "rdzv.png"), dpi=110)
+        plt.close(fig)
+        made.append("rdzv.png")
+    return made
+
+
+MEANING = {
+    "storage": "The storage limit. `dd conv=fdatasync` alone is not the ceiling (buffered writes through one "
+               "process each): fio with 1 and 4 jobs, buffered with an fsync at the end and O_DIRECT, 4 MiB blocks, "
+               "measures what the device gives; every checkpoint figure is divided by the best of all of them.",
+    "ckpt": "Checkpoints of float32 tensors over 4 MPI ranks (`bench/ckpt/ckpt_bench.cpp`, the C++ library), each "
+            "run paired with the same data saved by the reference tools (`bench/ckpt_torch_compare.py`: torch.save "
+            "per rank, h5py per rank, torch.distributed.checkpoint of torch 1.13) and with the storage limit, in the "
+            "same round, on the same filesystem. Saves are durable (fsync) for every tool; loads read warm page "
+            "cache for every tool. `shared` is a GlusterFS volume of a private testbed, mounted through FUSE.",
+    "launcher": "The elastrun agent vs torchrun 1.13 (`/usr/bin/python3 -m torch.distributed.run --redirects 9:0 "
+                "--tee 9:0`) with the same workers (`bench/launcher_bench.py`), alternated. The launcher's own share "
+                "is launch -> every worker process started; the first all-reduce adds `import torch` in the worker, "
+                "the same for both.",
+    "rdzv": "Rendezvous rounds of N simulated members (threads with real sockets, one process) against the embedded "
+            "store, and failure detection of real member processes (`bench/rdzv_bench.cpp`). torchrun has no "
+            "comparable figure (its rendezvous needs heartbeats and a last call of tens of seconds), so the goal is "
+            "the anchor.",
+}
+
+
+def write_report(result, out, made):
+    figs = result["figures"]
+    lines = ["# elastrun benchmark report", "",
+             f"Generated by `scripts/bench{' --quick' if result['mode'] == 'quick' else ''}` at {result['time']} on "
+             f"commit `{(result['git_commit'] or 'unknown')[:12]}`{' (uncommitted changes)' if result['git_dirty'] else ''}. "
+             "Raw numbers of every run: `latest.json` (schema `bench/results/schema.json`).", "",
+             "## Method", "",
+             f"Each figure pairs an elastrun measurement with its anchor measured in the same run on the same machine, "
+             f"alternated A B A B over {result['runs']} round(s); the table shows medians with [min–max]. The ratio is "
+             "how many times better elastrun is (anchor/elastrun for times, elastrun/anchor for bandwidths); goals "
+             "are on the ratio. Nothing here is asserted by the tests: timings on a 2-core VM are noisy.", ""]
+    for g in GROUPS:
+        if any(f["group"] == g for f in figs):
+            lines += [f"- **{g}**: {MEANING[g]}"]
+    m = result["machine"]
+    lines += ["", "## Machine", "",
+              f"{m['cores']} cores ({m['cpu']}), {m['memory_gib']} GiB, {m['os']}, kernel {m['kernel']}, "
+              f"torch {m['torch']}, {m['fio']}.", ""]
+    for name, f in m["filesystems"].items():
+        lines.append(f"- `{name}`: {f['path']} ({f['fstype']})")
+    lines += ["", "## Figures", "", "| figure | elastrun median [min–max] | anchor | anchor median [min–max] | ratio | goal | |",
+              "|---|---|---|---|---|---|---|"]
+    for r in table_rows(figs):
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in r) + " |")
+    notes = [f for f in figs if f.get("note") or "not_measured" in f]
+    if notes:
+        lines += ["", "### Notes", ""]
+        for f in notes:
+            text = f"not measured: {f['not_measured']}" if "not_measured" in f else f["note"]
+            if "not_measured" in f and f.get("note"):
+                text += f" ({f['note']})"
+            lines.append(f"- {f['title']}: {text}")
+    if made:
+        lines += ["", "## Charts", ""] + [f"![{p}]({p})" for p in made]
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+# ------------------------------------------------------------------------------------------ shared fs
+class SharedVolume:
+    """A private 1-node testbed with --shared-fs, for its GlusterFS mount (None where impossible)."""
+
+    def __init__(self, tb_id):
+        self.tb = os.path.join(ROOT, "tests", "cluster", "testbed")
+        self.env = dict(os.environ, TESTBED_ID=tb_id)
+        self.path = None
+        self.why = None
+
+    def __enter__(self):
+        r = run([self.tb, "check-shared-fs"], 60, env=self.env)
+        if r.returncode != 0:
+            self.why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "check-shared-fs failed"
+            return self
+        run([self.tb, "down"], 300, env=self.env)
+        r = run([self.tb, "up", "1", "--shared-fs"], 300, env=self.env)
+        if r.returncode != 0:
+            self.why = f"testbed up --shared-fs failed: {r.stderr.strip().splitlines()[-1:]}"
+            return self
+        for line in run([self.tb, "env"], 60, env=self.env).stdout.splitlines():
+            if line.startswith("export TESTBED_SHARED_FS="):
+                self.path = line.split("=", 1)[1].strip("'\"")
+        return self
+
+    def __exit__(self, *exc):
+        if self.path or self.why is None:
+            run([self.tb, "down"], 300, env=self.env)
+
+
+# ------------------------------------------------------------------------------------------ main
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one small round of each (a few minutes)")
+    p.add_argument("--runs", type=int, help="rounds per pair (default 5; --quick: 1)")
+    p.add_argument("--out", help="output directory (default bench/results; --quick: build/bench-results)")
+    p.add_argument("--bin", default=os.path.join(ROOT, "build", "bin"), help="the build's bin directory")
+    p.add_argument("--dir", default=os.environ.get("ELASTRUN_BENCH_DIR", "/tmp"),
+                   help="local checkpoint directory's parent (default /tmp, or ELASTRUN_BENCH_DIR)")
+    p.add_argument("--mib-per-rank", type=int, help="checkpoint MiB per rank (default 256: 1 GiB; --quick 16)")
+    p.add_argument("--tensors", type=int, default=48, help="tensors per checkpoint (default 48)")
+    p.add_argument("--only", default=",".join(GROUPS), help=f"groups, comma-separated: {','.join(GROUPS)}")
+    p.add_argument("--no-shared-fs", action="store_true", help="skip the GlusterFS volume")
+    args = p.parse_args()
+    runs = args.runs or (1 if args.quick else 5)
+    mib = args.mib_per_rank or (16 if args.quick else int(os.environ.get("ELASTRUN_BENCH_MIB", "256")))
+    out = args.out or os.path.join(ROOT, "build" if args.quick else "bench", "bench-results" if args.quick else "results")
+    only = [g.strip() for g in args.only.split(",") if g.strip()]
+    bad = [g for g in only if g not in GROUPS]
+    if bad:
+        sys.exit(f"bench/run.py: unknown group(s) {', '.join(bad)}; choose from {', '.join(GROUPS)}")
+    for exe in ("ckpt_bench", "rdzv_bench", "rdzv_member", "elastrun"):
+        if not os.access(os.path.join(args.bin, exe), os.X_OK):
+            sys.exit(f"bench/run.py: {os.path.join(args.bin, exe)} missing; build first (scripts/setup) or pass --bin")
+    os.makedirs(out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="elastrun-bench-", dir=args.dir)
+    figs = Figures()
+    raw = {"storage": {}, "ckpt": {}}
+    t_start = time.time()
+    try:
+        tb_id = os.environ.get("ELASTRUN_BENCH_TESTBED_ID", "bench-sfs")
+        volume = SharedVolume(tb_id) if not args.no_shared_fs and ({"ckpt", "storage"} & set(only)) else None
+        with (volume or _Null()) as vol:
+            paths = {"local": work}
+            if vol is not None and vol.path:
+                shared_work = tempfile.mkdtemp(prefix="bench-", dir=vol.path)
+                paths["shared"] = shared_work
+            elif vol is not None:
+                log(f"no shared filesystem: {vol.why}")
+            result_machine = machine(paths)
+            for fs, path in paths.items() if {"ckpt", "storage"} & set(only) else ():
+                rounds = []
+                shm = []
+                for i in range(runs):
+                    log(f"{fs}: round {i + 1}/{runs}: storage limit")
+                    st = Storage(path, 4 * mib).measure()
+                    if fs == "local" and "storage" in only:
+                        shm.append(Storage("/dev/shm", 4 * mib).dd())
+                    rnd = {"storage": st}
+                    if "ckpt" in only:
+                        log(f"{fs}: round {i + 1}/{runs}: elastrun checkpoints ({mib} MiB x 4 ranks)")
+                        rnd["ours"] = probe_ckpt(args.bin, path, mib, args.tensors, work)
+                        log(f"{fs}: round {i + 1}/{runs}: torch.save, h5py, DCP")
+                        rnd["anchors"] = probe_ckpt_anchors(path, mib, args.tensors)
+                    rounds.append(rnd)
+                raw["storage"][fs] = [r["storage"] for r in rounds]
+                if "storage" in only:
+                    storage_figures(figs, fs, raw["storage"][fs], shm if fs == "local" else None)
+                if "ckpt" in only:
+                    raw["ckpt"][fs] = rounds
+                    ckpt_figures(figs, fs, rounds)
+            if vol is not None and not vol.path and "ckpt" in only:
+                figs.add("ckpt.shared.save_vs_limit", "ckpt", "[shared] sync save vs storage limit", "GB/s", "higher",
+                         [], "storage limit (best of fio and dd)", [], why=f"no shared filesystem here: {vol.why}")
+        if "launcher" in only:
+            log("launcher: elastrun vs torchrun (alternated)")
+            nprocs = [2] if args.quick else [1, 2, 4]
+            lj = os.path.join(work, "launcher.json")
+            argv = [PY, os.path.join(HERE, "launcher_bench.py"), "--elastrun", os.path.join(args.bin, "elastrun"),
+                    "--reps", str(runs), "--nprocs", ",".join(map(str, nprocs)), "--json", lj]
+            argv += ["--only", "abce", "--cpu-seconds", "10" if args.quick else "60"]
+            if args.quick:
+                argv += ["--node-loss-bound", "15"]
+            r = run(argv, 7200)
+            if os.path.exists(lj):
+                with open(lj) as f:
+                    raw["launcher"] = json.load(f)
+                launcher_figures(figs, raw["launcher"], nprocs)
+            else:
+                launcher_figures(figs, None, nprocs, why=f"launcher_bench failed: {r.stderr.strip().splitlines()[-1:]}")
+        if "rdzv" in only:
+            log("rendezvous rounds and failure detection")
+            rj = os.path.join(work, "rdzv.json")
+            argv = [os.path.join(args.bin, "rdzv_bench"), os.path.join(args.bin, "rdzv_member"), "--json", rj]
+            argv += ["--members", "4,64", "--runs", "1"] if args.quick else ["--members", "4,64,1024,4096",
+                                                                           "--runs", str(runs)]
+            r = run(argv, 3600)
+            if os.path.exists(rj):
+                with open(rj) as f:
+                    raw["rdzv"] = json.load(f)
+                rdzv_figures(figs, raw["rdzv"])
+            else:
+                rdzv_figures(figs, None, why=f"rdzv_bench failed: {r.stderr.strip().splitlines()[-1:]}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    commit, dirty = git_info()
+    result = {"schema": SCHEMA, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "git_commit": commit, "git_dirty": dirty, "mode": "quick" if args.quick else "full", "runs": runs,
+              "mib_per_rank": mib, "tensors": args.tensors, "duration_s": round(time.time() - t_start, 1),
+              "machine": result_machine if ("ckpt" in only or "storage" in only) else machine({}),
+              "raw": raw, "figures": figs.items}
+    made = charts(figs.items, raw, out)
+    with open(os.path.join(out, "latest.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    write_report(result, out, [m for m in made if m.endswith(".png")])
+    print_table(figs.items)
+    print(f"\nwrote {out}/latest.json, report.md and {len([m for m in made if m.endswith('.png')])} chart(s) "
+          f"in {result['duration_s']:.0f} s")
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    main()
