@@ -61,7 +61,14 @@ def worker(mode, out):
     t = torch.ones(1)
     dist.all_reduce(t)
     done = time.time()
-    put(os.path.join(out, f"allreduce.{tag}.{rank}.{restart}"), done)
+    put(os.path.join(out, f"allreduce.{tag}.{rank}.{world}.{restart}"), done)
+    if mode == "steps":  # all-reduce every 50 ms until OUT/stop appears (or a peer is lost: exit 1)
+        deadline = time.time() + 600
+        while time.time() < deadline and not os.path.exists(os.path.join(out, "stop")):
+            dist.all_reduce(t)
+            time.sleep(0.05)
+        dist.destroy_process_group()
+        return
     if mode == "crashonce":  # rank 0 exits 1 after the first all-reduce of the first attempt
         if restart == "0":
             if rank == 0:

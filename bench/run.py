@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -31,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PY = "/usr/bin/python3"
 SCHEMA = "elastrun-bench/1"
-GROUPS = ("storage", "ckpt", "launcher", "rdzv")
+GROUPS = ("storage", "ckpt", "launcher", "testbed", "rdzv")
 
 
 def log(msg):
@@ -213,7 +214,7 @@ def ckpt_figures(figs, fs, rounds):
              "h5py, one file per rank", gbs(total, anchor("h5py save per rank")), None, size)
     figs.add(f"ckpt.{fs}.load_vs_torch_load", "ckpt", f"[{fs}] load into existing tensors (hashes verified) vs torch.load",
              "GB/s", "higher", load, "torch.load per rank", gbs(total, anchor("torch.load per rank")),
-             (">=", 4.0, ">= 4x"), "page cache warm for both")
+             (">=", 4.0, ">= 4x"), "the shared-file step; page cache warm for both")
     figs.add(f"ckpt.{fs}.load_vs_dcp", "ckpt", f"[{fs}] load vs DCP load", "GB/s", "higher", load, "DCP load (torch 1.13)",
              gbs(total, anchor("torch.distributed.checkpoint load")), None, "page cache warm for both")
     figs.add(f"ckpt.{fs}.resharded_load_vs_read_limit", "ckpt", f"[{fs}] resharded load 4 -> 3 ranks vs read limit",
@@ -285,12 +286,72 @@ def launcher_figures(figs, raw, nprocs, why=None):
              f"torchrun {t.get('rss_peak_kib', 0) / 1024:.1f} MiB")
 
 
+def testbed_figures(figs, raw, why=None):
+    if why:
+        figs.add("testbed.launch_share", "testbed", "testbed, 4 nodes x 2 procs: launch -> every worker started", "s",
+                 "lower", [], "torchrun 1.13", [], why=why)
+        return
+    e, t = raw.get("elastrun", {}), raw.get("torchrun", {})
+
+    def values(side, scenario, key):
+        return [r.get(key) for r in side.get(scenario, [])]
+
+    def errors(scenario):
+        errs = [f"{w}: {r['error']}" for w, side in (("elastrun", e), ("torchrun", t)) for r in side.get(scenario, [])
+                if "error" in r]
+        return "; ".join(sorted(set(errs)))
+
+    figs.add("testbed.launch_share", "testbed", "testbed, 4 nodes x 2 procs under srun: launch -> every worker started",
+             "s", "lower", values(e, "launch", "started_s"), "torchrun 1.13", values(t, "launch", "started_s"),
+             (">=", 10.0, ">= 10x"), errors("launch"))
+    figs.add("testbed.first_allreduce", "testbed", "testbed, 4 nodes x 2 procs under srun: launch -> first all-reduce "
+             "in every worker", "s", "lower", values(e, "launch", "allreduce_s"), "torchrun 1.13",
+             values(t, "launch", "allreduce_s"), None, "includes the workers' `import torch`")
+    bound = raw.get("bound_s", 90)
+    for scenario, title, goal in (
+            ("node_loss", "testbed: kill-node n3 -> every survivor's first all-reduce at world 6",
+             ("<=", None, "<= heartbeat timeout + 1 s")),
+            ("store_loss", "testbed: kill-node of the store's node -> every survivor's first all-reduce at world 6",
+             None)):
+        ours = values(e, scenario, "recovered_s")
+        theirs = []
+        notes = []
+        for r in t.get(scenario, []):
+            if "recovered_s" in r:
+                theirs.append(r["recovered_s"])
+            elif "not_recovered_within_s" in r:
+                theirs.append(float(r["not_recovered_within_s"]))  # a lower bound
+                notes.append(f"torchrun did not recover within {r['not_recovered_within_s']:.0f} s"
+                             + (f" (its job ended, srun exit {r['srun_exit']}, {r['ended_after_s']:.1f} s after the kill)"
+                                if "ended_after_s" in r else f" (srun exit {r.get('srun_exit')})"))
+            else:
+                theirs.append(None)
+        note = "; ".join(sorted(set(notes)))
+        if any(isinstance(v, float) for v in theirs) and notes:
+            note = "torchrun's figure is a lower bound: " + note
+        if errors(scenario):
+            note += ("; " if note else "") + errors(scenario)
+        figs.add(f"testbed.{scenario}", "testbed", title, "s", "lower", ours, "torchrun 1.13", theirs, None,
+                 "includes the replacement workers' `import torch` (6 at once on 2 cores)" + ("; " + note if note else ""))
+        restarted_e = values(e, scenario, "restarted_s")
+        restarted_t = [r.get("restarted_s", r.get("not_recovered_within_s")) for r in t.get(scenario, [])]
+        figs.add(f"testbed.{scenario}_restart", "testbed", title.replace("first all-reduce", "replacement worker started"),
+                 "s", "lower", restarted_e, "torchrun 1.13", restarted_t, None,
+                 "the launchers' share" + ("; torchrun's figure is the bounded wait where it did not restart workers"
+                                          if any("restarted_s" not in r for r in t.get(scenario, [])) else ""))
+        if goal:
+            hb = 3.0  # the launcher's default heartbeat timeout
+            figs.add(f"testbed.{scenario}_vs_goal", "testbed", title.replace("testbed:", "testbed (goal):"), "s", "lower",
+                     ours, "goal: heartbeat timeout (3 s) + 1 s", [hb + 1.0] * len(ours), (">=", 1.0, goal[2]),
+                     "elastrun detects a dead node by its closed connections, usually well before the heartbeat")
+
+
 def rdzv_figures(figs, raw, why=None):
     if why:
         figs.add("rdzv.round", "rdzv", "rendezvous round", "ms", "lower", [], "goal", [], why=why)
         return
     goal_ms = {1024: 300.0}
-    for n, runs in raw["rounds_ms"].items():
+    for n, runs in sorted(raw["rounds_ms"].items(), key=lambda item: int(item[0])):
         n = int(n)
         if isinstance(runs, dict):
             figs.add(f"rdzv.round_{n}", "rdzv", f"rendezvous round, {n} simulated members", "ms", "lower", [],
@@ -385,13 +446,13 @@ def charts(figs, raw, out):
         return [f"charts not drawn: {e}"]
     made = []
     # launch and recovery: elastrun vs torchrun, seconds (log scale)
-    lf = [f for f in figs if f["group"] == "launcher" and f["unit"] == "s" and "median" in f["elastrun"]
+    lf = [f for f in figs if f["group"] in ("launcher", "testbed") and f["unit"] == "s" and "median" in f["elastrun"]
           and "median" in f["anchor"]]
     if lf:
         fig, ax = plt.subplots(figsize=(9, 0.5 + 0.55 * len(lf)))
         ys = range(len(lf))
         ax.barh([y + 0.2 for y in ys], [f["elastrun"]["median"] for f in lf], 0.4, label="elastrun")
-        ax.barh([y - 0.2 for y in ys], [f["anchor"]["median"] for f in lf], 0.4, label="torchrun 1.13")
+        ax.barh([y - 0.2 for y in ys], [f["anchor"]["median"] for f in lf], 0.4, label="anchor (torchrun 1.13 or goal)")
         ax.set_yticks(list(ys), [f["title"][:60] for f in lf], fontsize=7)
         ax.set_xscale("log")
         ax.set_xlabel("seconds (median, log scale)")
@@ -453,6 +514,11 @@ MEANING = {
                 "--tee 9:0`) with the same workers (`bench/launcher_bench.py`), alternated. The launcher's own share "
                 "is launch -> every worker process started; the first all-reduce adds `import torch` in the worker, "
                 "the same for both.",
+    "testbed": "The same comparison on the local Slurm testbed (`bench/testbed_bench.py`, a private 4-node testbed): "
+               "`srun -N4 --ntasks-per-node=1` of elastrun (zero rendezvous flags: Slurm's view) or torchrun (c10d "
+               "rendezvous at 127.0.0.1, `--nnodes 2:4 --max_restarts 3`), 2 torch workers per node; node loss is "
+               "`testbed kill-node` (SIGSTOP then SIGKILL of the node's daemons, launcher and workers). Where torchrun "
+               "does not recover within the bounded wait, that bound is its figure (a lower bound) and the note says so.",
     "rdzv": "Rendezvous rounds of N simulated members (threads with real sockets, one process) against the embedded "
             "store, and failure detection of real member processes (`bench/rdzv_bench.cpp`). torchrun has no "
             "comparable figure (its rendezvous needs heartbeats and a last call of tens of seconds), so the goal is "
@@ -530,6 +596,9 @@ class SharedVolume:
 
 # ------------------------------------------------------------------------------------------ main
 def main():
+    # SIGTERM (ctest's timeout, kill) ends us through the finally blocks: the private testbed of
+    # the shared volume goes down, the work directory is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="one small round of each (a few minutes)")
     p.add_argument("--runs", type=int, help="rounds per pair (default 5; --quick: 1)")
@@ -541,6 +610,8 @@ def main():
     p.add_argument("--tensors", type=int, default=48, help="tensors per checkpoint (default 48)")
     p.add_argument("--only", default=",".join(GROUPS), help=f"groups, comma-separated: {','.join(GROUPS)}")
     p.add_argument("--no-shared-fs", action="store_true", help="skip the GlusterFS volume")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other groups' figures and raw numbers of OUT/latest.json (re-measure only --only)")
     args = p.parse_args()
     runs = args.runs or (1 if args.quick else 5)
     mib = args.mib_per_rank or (16 if args.quick else int(os.environ.get("ELASTRUN_BENCH_MIB", "256")))
@@ -584,6 +655,8 @@ def main():
                         rnd["anchors"] = probe_ckpt_anchors(path, mib, args.tensors)
                     rounds.append(rnd)
                 raw["storage"][fs] = [r["storage"] for r in rounds]
+                if shm:
+                    raw["storage"]["shm_dd_write"] = shm
                 if "storage" in only:
                     storage_figures(figs, fs, raw["storage"][fs], shm if fs == "local" else None)
                 if "ckpt" in only:
@@ -608,6 +681,17 @@ def main():
                 launcher_figures(figs, raw["launcher"], nprocs)
             else:
                 launcher_figures(figs, None, nprocs, why=f"launcher_bench failed: {r.stderr.strip().splitlines()[-1:]}")
+        if "testbed" in only:
+            log("testbed: elastrun vs torchrun under srun on a private 4-node testbed (alternated)")
+            tj = os.path.join(work, "testbed.json")
+            argv = [PY, os.path.join(HERE, "testbed_bench.py"), "--elastrun", os.path.join(args.bin, "elastrun"),
+                    "--json", tj, "--reps", str(runs), "--bound", "30" if args.quick else "90",
+                    "--work", os.path.join(work, "testbed")]
+            env = dict(os.environ, TESTBED_ID=os.environ.get("ELASTRUN_BENCH_TESTBED_ID", "bench-sfs") + "-tb")
+            r = run(argv, 7200, env=env)
+            raw["testbed"] = json.load(open(tj)) if os.path.exists(tj) else None
+            testbed_figures(figs, raw["testbed"],
+                            why=None if raw["testbed"] else f"testbed_bench failed: {r.stderr.strip().splitlines()[-1:]}")
         if "rdzv" in only:
             log("rendezvous rounds and failure detection")
             rj = os.path.join(work, "rdzv.json")
@@ -623,12 +707,30 @@ def main():
                 rdzv_figures(figs, None, why=f"rdzv_bench failed: {r.stderr.strip().splitlines()[-1:]}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    old = None
+    if args.merge and os.path.exists(os.path.join(out, "latest.json")):
+        with open(os.path.join(out, "latest.json")) as f:
+            old = json.load(f)
+        kept = [f for f in old.get("figures", []) if f["group"] not in only]
+        figs.items = kept + figs.items
+        figs.items.sort(key=lambda f: GROUPS.index(f["group"]) if f["group"] in GROUPS else len(GROUPS))
+        raw = {**old.get("raw", {}), **{k: v for k, v in raw.items() if v or k in only}}
+        for key in ("storage", "ckpt"):
+            if key not in only and old.get("raw", {}).get(key):
+                raw[key] = old["raw"][key]
+        measured_at = old.get("measured_at", {g: old.get("time") for g in GROUPS if any(f["group"] == g for f in kept)})
+    else:
+        measured_at = {}
     commit, dirty = git_info()
     result = {"schema": SCHEMA, "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "git_commit": commit, "git_dirty": dirty, "mode": "quick" if args.quick else "full", "runs": runs,
               "mib_per_rank": mib, "tensors": args.tensors, "duration_s": round(time.time() - t_start, 1),
               "machine": result_machine if ("ckpt" in only or "storage" in only) else machine({}),
               "raw": raw, "figures": figs.items}
+    now = result["time"]
+    result["measured_at"] = {**measured_at, **{g: now for g in only}}
+    if old and not ({"ckpt", "storage"} & set(only)):
+        result["machine"] = old["machine"]  # keeps the filesystems the kept figures were measured on
     made = charts(figs.items, raw, out)
     with open(os.path.join(out, "latest.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # bench.quick: `bench/run.py --quick` (what `scripts/bench --quick` runs after building) writes its
 # three outputs under the build tree -- latest.json, report.md, charts -- and the JSON is well-formed
-# with every figure paired with its anchor (bench/check_results.py), for every group. With a shared
+# with every figure paired with its anchor (bench/check_results.py), for every group (the testbed
+# group brings up a private 4-node testbed of its own). With a shared
 # filesystem possible here (always under CI=true), the checkpoint figures on it must be there too.
 # Never asserts a timing. Leaves the source tree clean (nothing under bench/results changes).
 # Usage: test_bench_quick.sh BIN_DIR OUT_DIR
@@ -19,7 +20,7 @@ show_on_failure 60 "$out.log"
 cat "$out.log"
 for f in latest.json report.md; do [[ -s $out/$f ]] || fail "no $out/$f"; done
 compgen -G "$out/*.png" >/dev/null || fail "no chart (*.png) in $out"
-/usr/bin/python3 "$src/bench/check_results.py" "$out/latest.json" --groups storage,ckpt,launcher,rdzv ||
+/usr/bin/python3 "$src/bench/check_results.py" "$out/latest.json" --groups storage,ckpt,launcher,testbed,rdzv ||
   fail "latest.json does not hold every figure with its anchor (above)"
 shared=$(/usr/bin/python3 -c '
 import json, sys
