@@ -445,6 +445,13 @@ def charts(figs, raw, out):
     except ImportError as e:
         return [f"charts not drawn: {e}"]
     made = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, name), dpi=110)
+        plt.close(fig)
+        return name
+
     # launch and recovery: elastrun vs torchrun, seconds (log scale)
     lf = [f for f in figs if f["group"] in ("launcher", "testbed") and f["unit"] == "s" and "median" in f["elastrun"]
           and "median" in f["anchor"]]
@@ -457,10 +464,7 @@ def charts(figs, raw, out):
         ax.set_xscale("log")
         ax.set_xlabel("seconds (median, log scale)")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "launch.png"), dpi=110)
-        plt.close(fig)
-        made.append("launch.png")
+        made.append(save(fig, "launch.png"))
     # checkpoint GB/s per tool, per filesystem, with the storage limit
     for fs in sorted({f["id"].split(".")[1] for f in figs if f["group"] == "ckpt"}):
         bars = {}
@@ -480,10 +484,7 @@ def charts(figs, raw, out):
         ax.barh(range(len(names)), [bars[n] for n in names], color=colors)
         ax.set_yticks(range(len(names)), [n[:60] for n in names], fontsize=7)
         ax.set_xlabel(f"GB/s on {fs} (median; blue: elastrun, gray: storage limit, orange: other tools)")
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, f"ckpt-{fs}.png"), dpi=110)
-        plt.close(fig)
-        made.append(f"ckpt-{fs}.png")
+        made.append(save(fig, f"ckpt-{fs}.png"))
     # rendezvous time vs members, log-log
     rounds = (raw.get("rdzv") or {}).get("rounds_ms", {})
     pts = sorted((int(n), statistics.median(v)) for n, v in rounds.items() if isinstance(v, list) and v)
@@ -494,10 +495,7 @@ def charts(figs, raw, out):
         ax.set_xlabel("members per round")
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "rdzv.png"), dpi=110)
-        plt.close(fig)
-        made.append("rdzv.png")
+        made.append(save(fig, "rdzv.png"))
     return made
 
 
