@@ -255,7 +255,12 @@ int main(int argc, char** argv) {
     for (bool verify : {true, false}) {
       comm.barrier();
       start = Clock::now();
-      const auto restored = restore_latest(root, targets, comm, RestoreOptions{verify, 1, {}});
+      const auto restored = restore_latest(root, targets, comm, [&] {
+        RestoreOptions o;
+        o.verify = verify;
+        o.max_attempts = 1;
+        return o;
+      }());
       if (!restored && rank == 0) fmt::print("load FAILED: the newest step did not restore\n");
       load_rate[verify ? 0 : 1] = report(verify ? "load (verify hashes)" : "load (no verify)", seconds_since(start));
       load_times[verify ? 0 : 1].push_back(total_bytes / load_rate[verify ? 0 : 1]);
@@ -282,7 +287,11 @@ int main(int argc, char** argv) {
         }
         sub.barrier();
         start = Clock::now();
-        const auto restored = restore_latest(root, resharded, sub, RestoreOptions{true, 1, {}});
+        const auto restored = restore_latest(root, resharded, sub, [] {
+          RestoreOptions o;
+          o.max_attempts = 1;
+          return o;
+        }());
         secs = seconds_since(start);
         if (!restored && rank == 0) fmt::print("resharded load FAILED\n");
       }

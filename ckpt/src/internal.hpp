@@ -14,6 +14,7 @@ namespace elastrun::ckpt::detail {
 
 inline constexpr std::string_view kIndexFile = "index.h5";
 inline constexpr std::string_view kManifestDataset = "/_elastrun/manifest";
+inline constexpr std::string_view kUserMetadataDataset = "/_elastrun/user_metadata";
 inline constexpr std::string_view kReservedGroup = "_elastrun";
 inline constexpr std::string_view kHashAlgorithm = "xxh3_64";
 inline constexpr std::string_view kFormatName = "elastrun-ckpt";

@@ -496,11 +496,17 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
     path = comm.broadcast(path.string());
     std::optional<Checkpoint> checkpoint;
     json metadata;
+    std::vector<TensorTarget> chosen_targets;  // options.targets_for's boxes for this step
+    std::span<const TensorTarget> step_targets = targets;
     // Phase 1: check (and verify) everything this rank will read; the targets are untouched.
     RankAttempt mine = attempt([&] {
       checkpoint.emplace(path);
       checkpoint->check_files();
-      for (const auto& target : targets) checkpoint->check_read(target, ReadOptions{options.verify});
+      if (options.targets_for) {
+        chosen_targets = options.targets_for(*checkpoint);
+        step_targets = chosen_targets;
+      }
+      for (const auto& target : step_targets) checkpoint->check_read(target, ReadOptions{options.verify});
       metadata = checkpoint->metadata();
       if (options.check_metadata) {
         try {
@@ -520,7 +526,7 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
     // Phase 2: every rank's data checked out; copy into the targets.
     targets_touched = true;
     mine = attempt([&] {
-      for (const auto& target : targets) checkpoint->read(target, ReadOptions{false});
+      for (const auto& target : step_targets) checkpoint->read(target, ReadOptions{false});
     });
     decision = vote(mine, path);
     if (decision.action == RestoreVote::Action::Go) {

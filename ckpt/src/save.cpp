@@ -343,7 +343,6 @@ void write_index(const fs::path& directory, const json& manifest, const SaveOpti
   h5::write_attr_i64(file.get(), "world_size", manifest["world_size"].get<std::int64_t>());
   h5::write_attr_string(file.get(), "layout", manifest["layout"].get<std::string>());
   h5::write_attr_string(file.get(), "hash_algorithm", detail::kHashAlgorithm);
-  h5::write_attr_string(file.get(), "user_metadata", manifest["metadata"].dump());
   h5::Handle lcpl = h5::link_create_intermediate();
   const bool shared = manifest["layout"] == "shared-file";
 
@@ -420,6 +419,8 @@ void write_index(const fs::path& directory, const json& manifest, const SaveOpti
     dataset.close_checked("close index dataset " + name);
   }
   write_string_dataset(file.get(), std::string(detail::kManifestDataset), manifest.dump());
+  // A dataset, not an attribute: HDF5 1.10 refuses attributes past 64 KiB.
+  write_string_dataset(file.get(), std::string(detail::kUserMetadataDataset), manifest["metadata"].dump());
   file.close_checked("close index " + index_path.string());
 }
 

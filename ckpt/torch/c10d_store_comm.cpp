@@ -2,114 +2,38 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <fmt/format.h>
-
-#include "elastrun/ckpt/errors.hpp"
-
 namespace elastrun::ckpt {
 
-C10dStoreCommunicator::C10dStoreCommunicator(c10d::Store& store, int rank, int world_size, std::string prefix)
-    : store_(store), rank_(rank), world_size_(world_size), prefix_(std::move(prefix)) {
-  if (world_size < 1 || rank < 0 || rank >= world_size) {
-    throw CheckpointError(fmt::format("C10dStoreCommunicator: rank {} of world {} is invalid", rank, world_size));
-  }
-}
-
-std::string C10dStoreCommunicator::key(std::uint64_t seq, std::string_view kind, int rank) const {
-  return fmt::format("{}/{}/{}/{}", prefix_, seq, kind, rank);
-}
-
-void C10dStoreCommunicator::fail(std::string_view what, std::uint64_t seq, const std::exception& e) const {
-  throw CheckpointError(
-      fmt::format("rank {}: store {} '{}' call {} failed (a peer died, fell out "
-                  "of step, or the store timed out): {}",
-                  rank_, what, prefix_, seq, e.what()));
-}
-
 namespace {
-std::vector<std::uint8_t> bytes_of(std::string_view text) {
-  return std::vector<std::uint8_t>(text.begin(), text.end());
-}
-void delete_quietly(c10d::Store& store, const std::string& key) {
-  try {
-    (void)store.deleteKey(key);
-  } catch (const std::exception&) {
-    // Stores without deleteKey (FileStore) keep the key; it is never read again.
+class C10dKeyValueStore final : public KeyValueStore {
+ public:
+  explicit C10dKeyValueStore(c10d::Store& store) : store_(store) {}
+  void set(const std::string& key, std::string_view value) override {
+    store_.set(key, std::vector<std::uint8_t>(value.begin(), value.end()));
   }
-}
+  std::string get(const std::string& key) override {
+    store_.wait({key});
+    const std::vector<std::uint8_t> value = store_.get(key);
+    return std::string(value.begin(), value.end());
+  }
+  std::int64_t add(const std::string& key, std::int64_t delta) override { return store_.add(key, delta); }
+  void remove(const std::string& key) noexcept override {
+    try {
+      (void)store_.deleteKey(key);
+    } catch (const std::exception&) {
+      // Stores without deleteKey (FileStore) keep the key; it is never read again.
+    }
+  }
+
+ private:
+  c10d::Store& store_;
+};
 }  // namespace
 
-std::vector<std::string> C10dStoreCommunicator::gather_at(std::uint64_t seq, std::string_view mine) {
-  std::vector<std::string> gathered;
-  try {
-    if (rank_ != 0) {
-      store_.set(key(seq, "g", rank_), bytes_of(mine));
-      return gathered;
-    }
-    gathered.emplace_back(mine);
-    for (int r = 1; r < world_size_; ++r) {
-      const std::string k = key(seq, "g", r);
-      store_.wait({k});
-      const std::vector<std::uint8_t> value = store_.get(k);
-      gathered.emplace_back(value.begin(), value.end());
-      delete_quietly(store_, k);
-    }
-  } catch (const std::exception& e) {
-    fail("gather", seq, e);
-  }
-  return gathered;
-}
+C10dStoreCommunicator::C10dStoreCommunicator(c10d::Store& store, int rank, int world_size, std::string prefix)
+    : store_(std::make_unique<C10dKeyValueStore>(store)),
+      communicator_(std::make_unique<StoreCommunicator>(*store_, rank, world_size, std::move(prefix))) {}
 
-std::string C10dStoreCommunicator::broadcast_at(std::uint64_t seq, std::string_view mine) {
-  const std::string k = key(seq, "b", 0);
-  try {
-    if (world_size_ == 1) return std::string(mine);
-    if (rank_ == 0) {
-      store_.set(k, bytes_of(mine));
-      return std::string(mine);
-    }
-    store_.wait({k});
-    const std::vector<std::uint8_t> value = store_.get(k);
-    // The last of the world-1 readers removes the value and the counter.
-    if (store_.add(k + "/read", 1) == world_size_ - 1) {
-      delete_quietly(store_, k);
-      delete_quietly(store_, k + "/read");
-    }
-    return std::string(value.begin(), value.end());
-  } catch (const std::exception& e) {
-    fail("broadcast", seq, e);
-  }
-}
-
-std::vector<std::string> C10dStoreCommunicator::gather(std::string_view mine) { return gather_at(seq_++, mine); }
-
-std::string C10dStoreCommunicator::broadcast(std::string_view mine) { return broadcast_at(seq_++, mine); }
-
-std::vector<std::string> C10dStoreCommunicator::allgather(std::string_view mine) {
-  const std::uint64_t seq = seq_++;
-  const std::vector<std::string> gathered = gather_at(seq, mine);
-  // Rank 0 broadcasts the contributions as one length-prefixed message.
-  std::string packed;
-  for (const auto& part : gathered) {
-    packed += fmt::format("{}:", part.size());
-    packed += part;
-  }
-  const std::string all = broadcast_at(seq, packed);
-  std::vector<std::string> result;
-  std::size_t position = 0;
-  while (position < all.size()) {
-    const auto colon = all.find(':', position);
-    const std::size_t length = std::stoull(all.substr(position, colon - position));
-    result.push_back(all.substr(colon + 1, length));
-    position = colon + 1 + length;
-  }
-  if (result.size() != static_cast<std::size_t>(world_size_)) {
-    throw CheckpointError(
-        fmt::format("rank {}: store all-gather '{}' call {} returned {} parts "
-                    "for world {}",
-                    rank_, prefix_, seq, result.size(), world_size_));
-  }
-  return result;
-}
+C10dStoreCommunicator::~C10dStoreCommunicator() = default;
 
 }  // namespace elastrun::ckpt

@@ -21,7 +21,7 @@ def main(root):
     with h5py.File(index_path, "r") as f:
         assert f.attrs["format_version"] == 1, f.attrs["format_version"]
         assert f.attrs["step"] == 42 and f.attrs["world_size"] == 4
-        assert json.loads(f.attrs["user_metadata"])["step_meta"] == 42
+        assert json.loads(f["_elastrun/user_metadata"][()])["step_meta"] == 42
         manifest = json.loads(f["_elastrun/manifest"][()])
         assert len(manifest["tensors"]) == len(expected)
         for name, spec in expected.items():

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <cstring>
 #include <fstream>
 #include <map>
 
@@ -482,6 +483,70 @@ TEST(CkptRestore, ANewestStepThatDoesNotFitIsSkippedForAnOlderOne) {
   EXPECT_NE(restored->skipped[1].find("no tensor named 'w'"), std::string::npos) << restored->skipped[1];
   EXPECT_NE(restored->skipped[2].find("is float64 but the target is float32"), std::string::npos)
       << restored->skipped[2];
+}
+
+// targets_for: the caller allocates what each step holds (the Python package's fresh optimizer
+// state); a step it rejects is skipped, and the step restored is the one whose boxes were filled.
+TEST(CkptRestore, TargetsChosenPerStepFromTheOpenedStep) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  std::vector<float> two{1, 2};
+  std::vector<std::int64_t> three{4, 5, 6};
+  auto v1 = TensorView::replicated("a", DType::float32, {2}, two.data());
+  save_checkpoint(dir.path(), 1, std::span(&v1, 1), nlohmann::json::object(), comm);
+  auto v2 = TensorView::replicated("b", DType::int64, {3}, three.data());
+  save_checkpoint(dir.path(), 2, std::span(&v2, 1), nlohmann::json::object(), comm);
+  std::map<std::uint64_t, std::vector<std::byte>> buffers;  // step -> memory allocated for it
+  RestoreOptions options;
+  bool reject_step2 = true;
+  options.targets_for = [&](const Checkpoint& checkpoint) {
+    if (checkpoint.step() == 2 && reject_step2) throw CheckpointMismatchError("not this one");
+    std::vector<TensorTarget> targets;
+    for (const auto& info : checkpoint.tensors()) {
+      auto& memory = buffers[checkpoint.step()];
+      memory.resize(info.bytes());
+      targets.push_back(TensorTarget::whole(info.name, info.dtype, info.shape, memory.data()));
+    }
+    return targets;
+  };
+  auto restored = restore_latest(dir.path(), {}, comm, options);
+  ASSERT_TRUE(restored);
+  EXPECT_EQ(restored->step, 1u);
+  ASSERT_EQ(restored->skipped.size(), 1u);
+  EXPECT_NE(restored->skipped[0].find("not this one"), std::string::npos) << restored->skipped[0];
+  EXPECT_EQ(std::memcmp(buffers[1].data(), two.data(), 8), 0);
+  reject_step2 = false;
+  restored = restore_latest(dir.path(), {}, comm, options);
+  ASSERT_TRUE(restored);
+  EXPECT_EQ(restored->step, 2u);
+  EXPECT_EQ(std::memcmp(buffers[2].data(), three.data(), 24), 0);
+}
+
+// HDF5 1.10 refuses attributes past 64 KiB: user metadata is a dataset and round-trips at 1 MiB,
+// readable by plain HDF5 at /_elastrun/user_metadata.
+TEST(CkptSave, OneMebibyteOfUserMetadataRoundTrips) {
+  TempDir dir;
+  SingleProcessCommunicator comm;
+  std::string blob(1 << 20, 'x');
+  for (std::size_t i = 0; i < blob.size(); i += 97) blob[i] = static_cast<char>('a' + i % 26);
+  const nlohmann::json metadata{{"blob", blob}, {"step", 3}};
+  std::vector<float> w{1, 2, 3};
+  auto view = TensorView::replicated("w", DType::float32, {3}, w.data());
+  const auto saved = save_checkpoint(dir.path(), 3, std::span(&view, 1), metadata, comm);
+  EXPECT_EQ(Checkpoint(saved.path).metadata(), metadata);
+  std::vector<float> into(3);
+  auto target = TensorTarget::whole("w", DType::float32, {3}, into.data());
+  auto restored = restore_latest(dir.path(), std::span(&target, 1), comm);
+  ASSERT_TRUE(restored);
+  EXPECT_EQ(restored->metadata, metadata);
+  h5::Lock lock(h5::library_mutex());
+  h5::Handle fapl = h5::file_access(0, 0, false);
+  h5::Handle file = h5::make_file(H5Fopen((saved.path / "index.h5").c_str(), H5F_ACC_RDONLY, fapl.get()), "open");
+  h5::Handle dataset = h5::make_dataset(H5Dopen2(file.get(), "/_elastrun/user_metadata", H5P_DEFAULT), "open");
+  h5::Handle type = h5::make_type(H5Dget_type(dataset.get()), "type");
+  std::string text(H5Tget_size(type.get()), '\0');
+  ASSERT_GE(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, text.data()), 0);
+  EXPECT_EQ(nlohmann::json::parse(text), metadata);
 }
 
 TEST(CkptRestore, EmptyDirectoryHasNothingToRestore) {

@@ -205,7 +205,11 @@ TEST(CkptGapsRestore, RejectedStepLeavesTargetsUntouched) {
         buffers.emplace_back(t.bytes.size(), std::byte{0xab});
         targets.push_back(TensorTarget::whole(t.name, t.dtype, t.shape, buffers.back().data()));
       }
-      const auto restored = restore_latest(dir.path(), targets, comm, RestoreOptions{true, attempts, {}});
+      const auto restored = restore_latest(dir.path(), targets, comm, [&] {
+        RestoreOptions o;
+        o.max_attempts = attempts;
+        return o;
+      }());
       if (attempts == 1) {
         // Only the damaged step was allowed: nothing restored, and nothing written.
         EXPECT_FALSE(restored.has_value());

@@ -170,6 +170,12 @@ struct RestoreOptions {
   // The caller's check of a step's metadata (e.g. "an object with an unsigned 'step'"): if it
   // throws, that step counts as damaged and an older one is tried. Runs on every rank.
   std::function<void(const nlohmann::json& metadata)> check_metadata;
+  // Targets chosen per step: called on every rank for each candidate step, once the step is
+  // opened and before anything is read; the boxes it returns are restored from that step (the
+  // `targets` argument is then ignored) and must stay valid until restore_latest returns. Lets a
+  // caller allocate tensors the step holds but it lacks (a fresh optimizer's state). Throwing
+  // CheckpointMismatchError or CorruptCheckpointError skips the step as a misfit or damage.
+  std::function<std::vector<TensorTarget>(const Checkpoint& checkpoint)> targets_for;
 };
 
 struct RestoreResult {
