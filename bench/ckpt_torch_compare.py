@@ -8,6 +8,8 @@ Debian's torch 1.13 ships DCP as torch.distributed._shard.checkpoint, and its me
 does not import under Python 3.11 (a dataclass field with an instance default, rejected since
 3.11). lenient_dataclass_defaults() turns such defaults into default_factory copies, which is
 what 3.11 asks for, so the reference can run unchanged.
+With the elastrun Python package importable (PYTHONPATH=build/python), the same tensors through
+elastrun.checkpoint too (sync save, load, async blocking/durable, memcpy floor, extra memory).
 Usage: ckpt_torch_compare.py DIR [--ranks 4] [--mib-per-rank 256] [--tensors 16]
 Needs Debian's python3-torch (run with /usr/bin/python3)."""
 import argparse
@@ -50,6 +52,86 @@ def fsync_tree(path):
         fd = os.open(root, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
+
+
+def peak_extra_bytes(action):
+    """Runs action(); returns how far the process's peak RSS rose above its RSS before (clear_refs
+    "5" resets VmHWM; None where it is not writable)."""
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        action()
+        return None
+    before = status("VmRSS")
+    action()
+    return max(0, status("VmHWM") - before)
+
+
+def measure_python_package(rank, world, args, state, per_tensor):
+    """The elastrun Python package on the same tensors (each rank's slice of tensor i as a Shard
+    of a [world * n] tensor, like DCP's and ckpt_bench's layout): sync save, load in place, async
+    blocking and durable times, a memcpy of the shard (the async floor), the extra memory of a sync
+    save (max over ranks). Seconds (bytes for memory); {} if the package is not importable."""
+    try:
+        import elastrun.checkpoint as ec
+    except ImportError as e:
+        if rank == 0:
+            print(f"# elastrun Python package unavailable: {e}", flush=True)
+        return {}
+    out = {}
+    shards = {f"t{i}": ec.Shard(state[f"rank{rank}.t{i}"], (world * per_tensor,), (rank * per_tensor,))
+              for i in range(args.tensors)}
+    root = os.path.join(args.dir, "elastrun-py")
+    dist.barrier()
+    t0 = time.perf_counter()
+    extra = peak_extra_bytes(lambda: ec.save(shards, root, 1))
+    dist.barrier()
+    out["elastrun.checkpoint save (Python)"] = time.perf_counter() - t0
+    targets = {name: ec.Shard(torch.empty(per_tensor), (world * per_tensor,), (rank * per_tensor,)) for name in shards}
+    dist.barrier()
+    t0 = time.perf_counter()
+    ec.load(targets, root)
+    dist.barrier()
+    out["elastrun.checkpoint load (Python)"] = time.perf_counter() - t0
+    for name, shard in shards.items():
+        if not torch.equal(targets[name].local_tensor, shard.local_tensor):
+            raise RuntimeError(f"elastrun.checkpoint load returned different values for {name}")
+    del targets
+    # async: warm the staging buffer once (the steady state of a training job), then measure
+    with ec.AsyncSaver(os.path.join(args.dir, "elastrun-py-async")) as saver:
+        saver.save(shards, 1)
+        saver.wait()
+        dist.barrier()
+        t0 = time.perf_counter()
+        saver.save(shards, 2)
+        blocked = time.perf_counter() - t0
+        saver.wait()
+        durable = time.perf_counter() - t0
+        dist.barrier()
+    warm = [torch.empty_like(t) for t in shards.values()]
+    for dst, shard in zip(warm, shards.values()):
+        dst.copy_(shard.local_tensor)
+    t0 = time.perf_counter()
+    for dst, shard in zip(warm, shards.values()):
+        dst.copy_(shard.local_tensor)
+    memcpy = time.perf_counter() - t0
+    del warm
+    # this rank's worst: gathered so rank 0 reports the maximum over ranks
+    mine = torch.tensor([blocked, durable, memcpy, float(extra if extra is not None else -1)], dtype=torch.float64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    worst = torch.stack(every).max(dim=0).values.tolist()
+    out["elastrun.checkpoint async blocked (Python)"] = worst[0]
+    out["elastrun.checkpoint async durable (Python)"] = worst[1]
+    out["memcpy of the shard (Python)"] = worst[2]
+    if worst[3] >= 0:
+        out["elastrun.checkpoint peak extra bytes (Python)"] = worst[3]
+    shutil.rmtree(root, ignore_errors=True) if rank == 0 else None
+    return out
 
 
 def worker(rank, world, args, init_file, results):
@@ -110,6 +192,8 @@ def worker(rank, world, args, init_file, results):
         if rank == 0:
             print(f"# h5py unavailable: {e}", flush=True)
 
+    python_package = measure_python_package(rank, world, args, state, per_tensor)
+
     t_dcp = t_dcp_load = None
     try:
         lenient_dataclass_defaults()
@@ -148,6 +232,8 @@ def worker(rank, world, args, init_file, results):
         if rank == 0:
             print(f"# DCP unavailable: {e}", flush=True)
     if rank == 0:
+        for name, secs in python_package.items():
+            results.put((name, secs, nbytes / secs / 1e9 if secs else 0.0))
         results.put(("torch.save per rank", t_save, nbytes / t_save / 1e9))
         results.put(("torch.load per rank", t_load, nbytes / t_load / 1e9))
         if t_h5:

@@ -136,10 +136,17 @@ def probe_ckpt(bin_dir, path, mib_per_rank, tensors, work):
         return json.load(f)
 
 
-def probe_ckpt_anchors(path, mib_per_rank, tensors):
-    """torch.save/torch.load per rank, h5py per rank, torch.distributed.checkpoint: seconds."""
+def python_env(bin_dir):
+    """The environment with the build's elastrun Python package (build/python) importable."""
+    package = os.path.join(os.path.dirname(os.path.abspath(bin_dir)), "python")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package, os.environ.get("PYTHONPATH")) if p))
+
+
+def probe_ckpt_anchors(path, mib_per_rank, tensors, bin_dir):
+    """torch.save/torch.load per rank, h5py per rank, torch.distributed.checkpoint, and the elastrun
+    Python package on the same tensors: seconds (the package's peak extra memory: bytes)."""
     r = run([PY, os.path.join(HERE, "ckpt_torch_compare.py"), path, "--ranks", "4", "--mib-per-rank", str(mib_per_rank),
-             "--tensors", str(tensors)], 1800)
+             "--tensors", str(tensors)], 1800, env=python_env(bin_dir))
     out = {"notes": []}
     for line in r.stdout.splitlines():
         if line.startswith("#"):
@@ -150,6 +157,23 @@ def probe_ckpt_anchors(path, mib_per_rank, tensors):
             out[parts[0]] = float(parts[1])
     if r.returncode != 0:
         out["notes"].append(f"exit {r.returncode}: {r.stderr.strip().splitlines()[-1:] }")
+    return out
+
+
+def probe_python_import(bin_dir):
+    """Seconds to import elastrun.checkpoint, and DCP (1.13's torch.distributed._shard.checkpoint,
+    with the benchmark's shim), each in a fresh interpreter that already imported torch."""
+    timed = ("import sys, time, torch; sys.path.insert(0, {here!r}); import ckpt_torch_compare as c; "
+             "c.lenient_dataclass_defaults(); t = time.perf_counter(); import {module}; "
+             "print(time.perf_counter() - t)")
+    out = {}
+    for key, module in (("elastrun", "elastrun.checkpoint"), ("dcp", "torch.distributed._shard.checkpoint")):
+        r = run([PY, "-c", timed.format(here=HERE, module=module)], 300, env=python_env(bin_dir))
+        try:
+            out[key] = float(r.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            out[key] = None
+            out.setdefault("errors", []).append(f"{module}: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     return out
 
 
@@ -227,11 +251,49 @@ def ckpt_figures(figs, fs, rounds):
     figs.add(f"ckpt.{fs}.async_durable_vs_sync", "ckpt", f"[{fs}] async save: until durable vs a sync save", "s", "lower",
              one("async_copy_durable_s"), "sync save (file-per-rank)", one("save_file_per_rank_s"), None,
              "training goes on meanwhile")
+    python_figures(figs, fs, ok, total, shard, limit, anchor, size)
     extra = [r["ours"].get("peak_extra_sync_bytes") for r in ok]
     figs.add(f"ckpt.{fs}.extra_memory_vs_shard", "ckpt", f"[{fs}] peak extra memory during a sync save vs the shard",
              "MiB", "lower", [e / 2**20 if e is not None else None for e in extra], "one shard", [shard / 2**20] * len(ok),
              (">=", 1 / 1.1, "<= 1.1x the shard"), "VmHWM rise, max over ranks",
              why=None if any(e is not None for e in extra) else "/proc/self/clear_refs not writable")
+
+
+def python_figures(figs, fs, ok, total, shard, limit, anchor, size):
+    """The elastrun Python package (elastrun.checkpoint) on the same tensors as the anchors."""
+    py = lambda what: anchor(f"elastrun.checkpoint {what} (Python)")
+    why = None if any(py("save")) else "the elastrun Python package is not built (build/python)"
+    save, load = gbs(total, py("save")), gbs(total, py("load"))
+    figs.add(f"ckpt.{fs}.python_save_vs_dcp", "ckpt", f"[{fs}] Python elastrun.checkpoint.save vs DCP save", "GB/s",
+             "higher", save, "DCP save (torch 1.13)", gbs(total, anchor("torch.distributed.checkpoint save")),
+             (">=", 2.0, ">= 2x"), size, why=why)
+    figs.add(f"ckpt.{fs}.python_save_vs_torch_save", "ckpt", f"[{fs}] Python save vs torch.save per rank", "GB/s",
+             "higher", save, "torch.save per rank", gbs(total, anchor("torch.save per rank")), (">=", 1.5, ">= 1.5x"),
+             size, why=why)
+    figs.add(f"ckpt.{fs}.python_save_vs_limit", "ckpt", f"[{fs}] Python save vs storage limit", "GB/s", "higher", save,
+             "storage limit (best of fio and dd)", limit, (">=", 0.9, ">= 0.9x"), size, why=why)
+    figs.add(f"ckpt.{fs}.python_load_vs_torch_load", "ckpt", f"[{fs}] Python load in place (verified) vs torch.load",
+             "GB/s", "higher", load, "torch.load per rank", gbs(total, anchor("torch.load per rank")),
+             (">=", 4.0, ">= 4x"), "page cache warm for both", why=why)
+    figs.add(f"ckpt.{fs}.python_load_vs_dcp", "ckpt", f"[{fs}] Python load vs DCP load", "GB/s", "higher", load,
+             "DCP load (torch 1.13)", gbs(total, anchor("torch.distributed.checkpoint load")), None,
+             "page cache warm for both", why=why)
+    figs.add(f"ckpt.{fs}.python_async_blocking_vs_memcpy", "ckpt",
+             f"[{fs}] Python AsyncSaver: training blocked vs memcpy of the shard", "s", "lower", py("async blocked"),
+             "memcpy of the shard (torch copy_, warm)", anchor("memcpy of the shard (Python)"),
+             (">=", 1 / 1.2, "<= 1.2x the memcpy"), "max over ranks; staging buffer warm", why=why)
+    extra = py("peak extra bytes")
+    figs.add(f"ckpt.{fs}.python_extra_memory_vs_shard", "ckpt", f"[{fs}] Python sync save: peak extra memory vs the shard",
+             "MiB", "lower", [e / 2**20 if e is not None else None for e in extra], "one shard",
+             [shard / 2**20] * len(ok), (">=", 1 / 1.1, "<= 1.1x the shard"), "VmHWM rise, max over ranks",
+             why=why or (None if any(e is not None for e in extra) else "/proc/self/clear_refs not writable"))
+
+
+def python_import_figure(figs, samples):
+    ours = [s.get("elastrun") for s in samples]
+    figs.add("ckpt.python_import", "ckpt", "import elastrun.checkpoint (torch already imported) vs DCP's import", "s",
+             "lower", ours, "import torch.distributed._shard.checkpoint", [s.get("dcp") for s in samples], None,
+             "a fresh interpreter each", why=None if any(ours) else f"import failed: {samples[0].get('errors') if samples else '?'}")
 
 
 def storage_figures(figs, fs, samples, shm=None):
@@ -650,7 +712,9 @@ def main():
                         log(f"{fs}: round {i + 1}/{runs}: elastrun checkpoints ({mib} MiB x 4 ranks)")
                         rnd["ours"] = probe_ckpt(args.bin, path, mib, args.tensors, work)
                         log(f"{fs}: round {i + 1}/{runs}: torch.save, h5py, DCP")
-                        rnd["anchors"] = probe_ckpt_anchors(path, mib, args.tensors)
+                        rnd["anchors"] = probe_ckpt_anchors(path, mib, args.tensors, args.bin)
+                        if fs == "local":
+                            rnd["python_import"] = probe_python_import(args.bin)
                     rounds.append(rnd)
                 raw["storage"][fs] = [r["storage"] for r in rounds]
                 if shm:
@@ -660,6 +724,8 @@ def main():
                 if "ckpt" in only:
                     raw["ckpt"][fs] = rounds
                     ckpt_figures(figs, fs, rounds)
+                    if fs == "local":
+                        python_import_figure(figs, [r["python_import"] for r in rounds if "python_import" in r])
             if vol is not None and not vol.path and "ckpt" in only:
                 figs.add("ckpt.shared.save_vs_limit", "ckpt", "[shared] sync save vs storage limit", "GB/s", "higher",
                          [], "storage limit (best of fio and dd)", [], why=f"no shared filesystem here: {vol.why}")

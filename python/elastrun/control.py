@@ -1,11 +1,12 @@
-"""elastrun_control: the elastrun agent -> worker control channel, for Python training scripts.
+"""elastrun.control: the elastrun agent -> worker control channel, for Python training scripts
+(also importable under its historical name, ``import elastrun_control``).
 
 Same semantics as the C++ header <elastrun/control.hpp> (docs/launcher.md, "Control channel"):
 the agent writes one line "<sequence> <request>" to the file named by $ELASTRUN_CONTROL_FILE,
 atomically (temporary file + rename); request is "none", "checkpoint" or "checkpoint-and-stop".
 poll() costs one os.stat() while nothing changed, so it can run every step.
 
-    import elastrun_control as ec
+    import elastrun.control as ec
     ec.install_signal_handlers()   # SIGUSR1/SIGUSR2/SIGTERM -> stop request instead of death
     for step in ...:
         train_step()
@@ -19,6 +20,7 @@ Standard library only (torch is used by poll_all() only if it is already initial
 import os
 import signal
 import sys
+from typing import Any, Optional
 
 __all__ = ["CHECKPOINTED_EXIT_CODE", "NONE", "CHECKPOINT", "CHECKPOINT_AND_STOP", "Status", "Channel",
            "parse", "write_file", "poll", "poll_all", "install_signal_handlers", "signal_received",
@@ -41,26 +43,26 @@ class Status:
 
     __slots__ = ("request", "sequence")
 
-    def __init__(self, request=NONE, sequence=0):
+    def __init__(self, request: str = NONE, sequence: int = 0) -> None:
         self.request = request
         self.sequence = sequence
 
     @property
-    def checkpoint(self):
+    def checkpoint(self) -> bool:
         return self.request != NONE
 
     @property
-    def stop(self):
+    def stop(self) -> bool:
         return self.request == CHECKPOINT_AND_STOP
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, Status) and (self.request, self.sequence) == (other.request, other.sequence)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"Status({self.request!r}, {self.sequence})"
 
 
-def parse(text):
+def parse(text: str) -> Optional[Status]:
     """'<sequence> <request>' -> Status, or None if malformed."""
     parts = text.strip().split(" ")
     if len(parts) != 2 or not parts[0].isdigit() or parts[1] not in _LEVEL:
@@ -68,7 +70,7 @@ def parse(text):
     return Status(parts[1], int(parts[0]))
 
 
-def write_file(path, status):
+def write_file(path: str, status: Status) -> None:
     """Replaces path atomically with status (the agent's side; used by tests)."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
@@ -79,17 +81,17 @@ def write_file(path, status):
 class Channel:
     """A reader of one control file (default: $ELASTRUN_CONTROL_FILE; disabled when unset)."""
 
-    def __init__(self, path=None):
+    def __init__(self, path: Optional[str] = None) -> None:
         self.path = path if path is not None else os.environ.get(CONTROL_FILE_ENV, "")
         self._last = Status()
         self._stat = None
         self._announced = False
 
     @property
-    def enabled(self):
+    def enabled(self) -> bool:
         return bool(self.path)
 
-    def poll(self):
+    def poll(self) -> Status:
         if not self.path:
             return self._last
         if not self._announced:
@@ -120,12 +122,12 @@ _signal_received = 0
 _channel = None
 
 
-def _on_stop_signal(signum, _frame):
+def _on_stop_signal(signum: int, _frame: Any) -> None:
     global _signal_received
     _signal_received = signum
 
 
-def install_signal_handlers():
+def install_signal_handlers() -> None:
     """SIGUSR1, SIGUSR2 and SIGTERM set a local checkpoint-and-stop request (seen by poll()).
 
     Slurm delivers its --signal warning and preemption's SIGTERM to every process of the step,
@@ -135,12 +137,12 @@ def install_signal_handlers():
         signal.signal(sig, _on_stop_signal)
 
 
-def signal_received():
+def signal_received() -> int:
     """The signal caught by install_signal_handlers' handlers, 0 if none."""
     return _signal_received
 
 
-def poll():
+def poll() -> Status:
     """The process-wide channel's status, merged with a caught stop signal."""
     global _channel
     if _channel is None:
@@ -151,7 +153,7 @@ def poll():
     return status
 
 
-def poll_all(group=None):
+def poll_all(group: Any = None) -> Status:
     """poll(), agreed by all ranks: the strongest request of any rank (an all-reduce MAX).
 
     Ranks poll at different moments; without agreement one rank may stop while another enters
@@ -170,7 +172,7 @@ def poll_all(group=None):
     return Status(request, sequence)
 
 
-def checkpoint_dir():
+def checkpoint_dir() -> str:
     """$ELASTRUN_CHECKPOINT_DIR (elastrun --checkpoint-dir), '' if not given."""
     return os.environ.get(CHECKPOINT_DIR_ENV, "")
 
@@ -178,7 +180,7 @@ def checkpoint_dir():
 _stacks_file = None
 
 
-def progress():
+def progress() -> None:
     """Tells the agent this worker made progress (elastrun --hang-timeout): call it once per step.
 
     One utime() on $ELASTRUN_PROGRESS_FILE; nothing when the agent does not watch. The first call

@@ -31,9 +31,18 @@ if "$TB" check-shared-fs >/dev/null 2>&1; then
 elif [[ ${CI:-} == true ]]; then
   fail "CI=true: the shared filesystem figures need GlusterFS/FUSE: $("$TB" check-shared-fs 2>&1)"
 fi
+# the Python package's figures (#18), measured whenever the package is built
+python_figures=$(/usr/bin/python3 -c '
+import json, sys
+figs = json.load(open(sys.argv[1]))["figures"]
+print(sum(1 for f in figs if f["id"].startswith("ckpt.local.python_") and "not_measured" not in f))' "$out/latest.json")
+if [[ -d $bin/../python/elastrun ]]; then
+  ((python_figures >= 6)) || fail "the Python package is built, but latest.json has $python_figures measured ckpt.local.python_* figures"
+fi
 for f in $(grep -o '([a-z0-9-]*\.png)' "$out/report.md" | tr -d '()'); do
   [[ -s $out/$f ]] || fail "report.md shows $f, which is missing"
 done
 [[ $(git -C "$src" status --porcelain -- bench/results 2>/dev/null || true) == "$before" ]] ||
   fail "the quick run changed the committed bench/results"
-echo "PASS: bench --quick wrote latest.json, report.md and charts; $shared checkpoint figures on the shared filesystem"
+echo "PASS: bench --quick wrote latest.json, report.md and charts; $shared checkpoint figures on the shared filesystem," \
+  "$python_figures of the Python package"

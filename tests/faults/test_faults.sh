@@ -40,17 +40,35 @@
 # With --shared-fs the private testbed has a GlusterFS volume every node mounts itself, and the
 # job's checkpoints go there (labels sharedfs: faults.node_loss_sharedfs, faults.time_limit_sharedfs,
 # faults.kill_during_save_sharedfs).
-# Usage: test_faults.sh SCENARIO [--shared-fs]   Environment: ELASTRUN_BIN (build/bin), SBATCH_DIR (sbatch/),
+# Usage: test_faults.sh SCENARIO [--shared-fs] [--python]   Environment: ELASTRUN_BIN (build/bin), SBATCH_DIR (sbatch/),
 # and the shared testbed's (ELASTRUN_TESTBED_ENV; a private testbed is used).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
-scenario=${1:?usage: test_faults.sh SCENARIO [--shared-fs]}
-shared_fs=
-[[ ${2:-} == --shared-fs ]] && shared_fs=--shared-fs
-FAIL_TAG=$scenario${shared_fs:+ on the shared filesystem}
+scenario=${1:?usage: test_faults.sh SCENARIO [--shared-fs] [--python]}
+shared_fs= python=
+for option in "${@:2}"; do
+  case $option in
+  --shared-fs) shared_fs=--shared-fs ;;
+  --python) python=--python ;;
+  *) fail "unknown option '$option' (usage: test_faults.sh SCENARIO [--shared-fs] [--python])" ;;
+  esac
+done
+FAIL_TAG=$scenario${shared_fs:+ on the shared filesystem}${python:+ with the Python trainer}
 bin=${ELASTRUN_BIN:?ELASTRUN_BIN: the bin directory of the build}
 job_scripts=${SBATCH_DIR:?SBATCH_DIR: the sbatch/ directory of the repository}
-[[ -x $bin/train ]] || skip "no libtorch example trainer (build/bin/train)"
+# the trainer the job runs, and the same trainer as one process (the failure-free reference)
+if [[ -n $python ]]; then
+  # examples/python/train.py (DDP, elastrun.checkpoint): the agent runs *.py with $ELASTRUN_PYTHON,
+  # and sbatch passes PYTHONPATH (the build's package) on to the job
+  trainer=("${PYTHON_TRAINER:?PYTHON_TRAINER: examples/python/train.py}")
+  reference_trainer=(/usr/bin/python3 "$PYTHON_TRAINER")
+  export ELASTRUN_PYTHON=/usr/bin/python3
+  /usr/bin/python3 -c "import elastrun.checkpoint" 2>/dev/null || fail "the elastrun Python package is not importable (PYTHONPATH=${PYTHONPATH-})"
+else
+  [[ -x $bin/train ]] || skip "no libtorch example trainer (build/bin/train)"
+  trainer=("$bin/train")
+  reference_trainer=("$bin/train")
+fi
 sandbox
 out=$SANDBOX
 mkdir -p "$out/tmp"
@@ -156,7 +174,7 @@ PY
 nodes=4
 [[ $scenario == @(worker_crash|time_limit|kill_during_save) ]] && nodes=2
 # shellcheck disable=SC2086 # $shared_fs: no option or one
-private_testbed_up $shared_fs "$nodes" "faults-$scenario${shared_fs:+-sfs}"
+private_testbed_up $shared_fs "$nodes" "faults-$scenario${shared_fs:+-sfs}${python:+-py}"
 # the job's checkpoints: the local disk every emulated node shares, or with --shared-fs the
 # GlusterFS volume every node mounts itself (the test reads them through the login node's mount)
 ckpt=$out/ckpt
@@ -166,13 +184,13 @@ if [[ -n $shared_fs ]]; then
 fi
 
 # the failure-free reference: one process, world 1
-"$bin/train" "${train_args[@]}" --ckpt-dir "$out/reference" >"$out/reference.log" 2>&1 ||
+"${reference_trainer[@]}" "${train_args[@]}" --ckpt-dir "$out/reference" >"$out/reference.log" 2>&1 ||
   fail "the reference run failed: $(tail -5 "$out/reference.log")"
 
 agent_args=(--log-dir "$out/logs" --checkpoint-dir "$ckpt")
 case $scenario in
 worker_crash)
-  submit 2 elastic.sbatch -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 100 --fail-at-step 17:1
+  submit 2 elastic.sbatch -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 100 --fail-at-step 17:1
   check_promise '
 assert worlds == [4, 4], "expected two rounds of world 4 (a restart)"
 decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
@@ -181,7 +199,7 @@ assert any(e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] == 
 assert [e["step"] for e in events if e["event"] == "resumed"] == [15], "expected one resume from step 15"'
   ;;
 node_loss)
-  submit 4 elastic.sbatch -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150
+  submit 4 elastic.sbatch -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150
   wait_past_step 12
   "$TB" kill-node n3
   check_promise '
@@ -191,7 +209,7 @@ assert lost == {"n3"}, f"expected n3 lost, got {lost}"
 assert not any(e["event"] == "failure_decision" and e["action"] == "restart" for e in events), "a node loss counted as a restart"'
   ;;
 shrink)
-  submit 4 elastic.sbatch -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150
+  submit 4 elastic.sbatch -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150
   wait_past_step 12
   scontrol update JobId="$job" NumNodes=3 >"$out/scontrol.txt" 2>&1 || fail "scontrol update NumNodes=3: $(cat "$out/scontrol.txt")"
   shrunk=$job
@@ -201,7 +219,7 @@ assert len({e["member"] for e in events if e["event"] == "member_lost"}) == 1, "
   scontrol show job "$shrunk" | grep -q "NumNodes=3" || fail "job $shrunk does not show NumNodes=3 after the shrink"
   ;;
 spare)
-  submit 4 spares.sbatch SPARES=1 -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150
+  submit 4 spares.sbatch SPARES=1 -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150
   wait_past_step 12
   victim=$(cat "$out"/logs/events-*.jsonl | /usr/bin/python3 -c '
 import json, sys
@@ -217,7 +235,7 @@ assert '$victim' not in members[-1] and len(members[-1]) == 3, f'the last round 
 assert not any(e['event'] == 'failure_decision' and e['action'] == 'restart' for e in events), 'a node loss counted as a restart'"
   ;;
 time_limit)
-  submit 2 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 100
+  submit 2 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" "${trainer[@]}" "${train_args[@]}" --step-ms 100
   wait_past_step 12
   scancel --signal=USR1 "$job"
   requeued=$job
@@ -231,7 +249,7 @@ assert len([e for e in events if e["event"] == "resumed"]) == 1, "expected one r
   scontrol show job "$requeued" | grep -q "Restarts=1" || fail "job $requeued was not requeued exactly once"
   ;;
 two_faults)
-  submit 4 elastic.sbatch -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 150 --fail-at-step 30:1
+  submit 4 elastic.sbatch -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150 --fail-at-step 30:1
   wait_past_step 12
   "$TB" kill-node n3
   check_promise '
@@ -241,7 +259,7 @@ decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
 assert decisions.count("restart") == 1, f"expected one counted restart after the re-form, got {decisions}"'
   ;;
 first_node)
-  submit 2-4 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
+  submit 2-4 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" "${trainer[@]}" "${train_args[@]}" --step-ms 150
   wait_past_step 12
   [[ $(scontrol show job "$job" | grep -o ' BatchHost=[^ ]*') == " BatchHost=n1" ]] || fail "the batch script does not run on n1"
   "$TB" kill-node n1
@@ -258,7 +276,7 @@ assert len(ended) == 1 and ended[0]["ok"] and ended[0]["exit_code"] == 0 and end
   if grep -q "srun: forcing job termination" "$out/job.out"; then fail "srun on the killed n1 ran again (testbed kill-node)"; fi
   ;;
 resize_requeue)
-  submit 2-4 requeue.sbatch CKPT="$ckpt" NPROC=1 -- --log-dir "$out/logs" "$bin/train" "${train_args[@]}" --step-ms 150
+  submit 2-4 requeue.sbatch CKPT="$ckpt" NPROC=1 -- --log-dir "$out/logs" "${trainer[@]}" "${train_args[@]}" --step-ms 150
   wait_past_step 8
   "$TB" kill-node n3
   world3() {
@@ -287,7 +305,7 @@ het)
   job=$(env TMPDIR="$out/tmp" ELASTRUN="$bin/elastrun" NPROC0=2 NPROC1=1 MIN_NODES0=2 \
     sbatch --parsable --nodes=3 -w 'n[1-3]' --chdir="$out" --output="$out/job.out" : --nodes=1 -w n4 \
     "$job_scripts/het.sbatch" \
-    "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 600 --fail-at-step 30:1)
+    "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 600 --fail-at-step 30:1)
   job=${job%%;*}
   echo "job $job: het.sbatch on 3 + 1 nodes"
   wait_past_step 12
@@ -311,7 +329,7 @@ assert len({e["run_id"] for e in rounds}) == 1, "expected one run (the het job s
   scontrol show job "$survived" | grep -q "Restarts=0" || fail "het job $survived was requeued"
   ;;
 kill_during_save)
-  submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "$bin/train" "${train_args[@]}" --step-ms 100
+  submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 100
   wait_for -i 0.2 180 test -e "$ckpt/train-parked-save-20" || fail "the save of step 20 was not parked"
   workers() { # the job's train processes
     local p

@@ -1,0 +1,26 @@
+"""elastrun: elastic, fault-tolerant PyTorch training on Slurm -- the Python side.
+
+    elastrun.checkpoint   sharded HDF5 checkpoints of state_dicts (atomic commit, resharding
+                          restore at any world size, async save, integrity checks)
+    elastrun.control      the agent's control channel (checkpoint-and-stop on Slurm's signals)
+    elastrun.data         ElasticSampler: exactly-once data order whatever the world size
+
+Submodules load on first use, so ``import elastrun`` stays cheap (no torch, no HDF5).
+Guide: docs/python.md. The launcher itself is the ``elastrun`` command.
+"""
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+__all__ = ["checkpoint", "control", "data", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("checkpoint", "control", "data"):
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'elastrun' has no attribute '{name}'")
+
+
+def __dir__() -> list:
+    return sorted(__all__)

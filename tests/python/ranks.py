@@ -1,0 +1,235 @@
+"""The rank side of the multi-process tests: ranks.py SCENARIO ARGS... (see conftest.run_world).
+
+Scenarios build the same deterministic training state on every rank (so replicated tensors are
+equal, as under DDP), save or load it with elastrun.checkpoint, and compare bit-exactly against a
+reference that rank 0 of the saving world wrote with torch.save.
+"""
+
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import elastrun.checkpoint as ec
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+EMBED_ROWS, EMBED_DIM = 10, 3
+
+
+def log(*parts):
+    print(f"[rank {RANK}]", *parts, flush=True)
+
+
+def init_group():
+    if WORLD > 1:
+        dist.init_process_group("gloo")
+
+
+def rows_of(rank, world, rows=EMBED_ROWS):
+    base, extra = divmod(rows, world)
+    start = rank * base + min(rank, extra)
+    return start, base + (1 if rank < extra else 0)
+
+
+def training_state(seed):
+    """A model + Adam after 3 steps, an LR scheduler, RNG states; identical on every rank."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optim = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.8, 0.95), weight_decay=1e-4)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    for _ in range(3):
+        loss = model(torch.randn(4, 6)).pow(2).sum()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+        sched.step()
+    np.random.seed(seed)
+    random.seed(seed)
+    return model, optim, sched
+
+
+def embedding_rows(start, count):
+    return torch.arange(start * EMBED_DIM, (start + count) * EMBED_DIM, dtype=torch.float64).reshape(count, EMBED_DIM)
+
+
+def state_of(model, optim, sched, with_rng=True):
+    start, count = rows_of(RANK, WORLD)
+    state = {"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict(),
+             "embedding": ec.Shard(embedding_rows(start, count), (EMBED_ROWS, EMBED_DIM), (start, 0))}
+    if with_rng:
+        state["rng"] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    return state
+
+
+def scenario_save(ckpt_dir, step):
+    """Save the reference state at this world size; rank 0 also writes reference.pt."""
+    init_group()
+    model, optim, sched = training_state(seed=1)
+    state = state_of(model, optim, sched)
+    info = ec.save(state, ckpt_dir, int(step), metadata={"epoch": 2, "next_sample": 96})
+    if RANK == 0:
+        ref = {"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict(),
+               "rng": state["rng"]}
+        torch.save(ref, os.path.join(ckpt_dir, "..", "reference.pt"))
+    log("saved", info.path, info.bytes_written)
+
+
+def same(a, b, path="") -> None:
+    """Bit-exact equality of two trees with the same types (tuples stay tuples, int keys ints)."""
+    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), \
+        f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        assert torch.equal(a, b), f"{path}: values differ"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), f"{path}: arrays differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a.keys())} != {list(b.keys())}"
+        for k in a:
+            same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}/{i}")
+    elif isinstance(a, float) and a != a:
+        assert b != b, f"{path}: nan != {b}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def scenario_load(ckpt_dir, step):
+    """Load into a fresh model/Adam/scheduler at this world size; compare with reference.pt; one
+    more optimizer step must match the reference's."""
+    init_group()
+    model, optim, sched = training_state(seed=99)  # other values everywhere
+    optim = torch.optim.Adam(model.parameters(), lr=0.5)  # fresh: state {}
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.1)
+    state = state_of(model, optim, sched, with_rng=False)
+    local_embedding = state["embedding"].local_tensor
+    local_embedding.fill_(-1)
+    info = ec.load(state, ckpt_dir)
+    assert info is not None and info.step == int(step), info
+    assert info.metadata == {"epoch": 2, "next_sample": 96}, info.metadata
+    model.load_state_dict(state["model"])
+    optim.load_state_dict(state["optim"])
+    sched.load_state_dict(state["sched"])
+    ref = torch.load(os.path.join(ckpt_dir, "..", "reference.pt"))
+    same(model.state_dict(), ref["model"], "model")
+    same(optim.state_dict(), ref["optim"], "optim")
+    same(sched.state_dict(), ref["sched"], "sched")
+    same(state["rng"], ref["rng"], "rng")
+    assert isinstance(state["optim"]["param_groups"][0]["betas"], tuple)
+    assert sorted(state["optim"]["state"]) == [0, 1, 2, 3]
+    start, count = rows_of(RANK, WORLD)
+    assert state["embedding"].local_tensor is local_embedding
+    assert torch.equal(local_embedding, embedding_rows(start, count)), "embedding shard"
+    # The restored RNG state and optimizer state continue exactly like the reference: the same
+    # draw from the restored generator as from the reference's, then one more optimizer step.
+    ref_model, ref_optim, _ = training_state(seed=1)  # (reseeds: before the RNG states are set)
+    torch.set_rng_state(ref["rng"]["torch"])
+    expected_x = torch.randn(4, 6)
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    x = torch.randn(4, 6)
+    assert torch.equal(x, expected_x), "the restored torch RNG state draws differently"
+    draw = np.random.randint(1 << 30)
+    np.random.set_state(ref["rng"]["numpy"])
+    assert draw == np.random.randint(1 << 30), "the restored numpy RNG state draws differently"
+    for m, o in ((model, optim), (ref_model, ref_optim)):
+        o.zero_grad()
+        m(x).pow(2).sum().backward()
+        o.step()
+    same(model.state_dict(), ref_model.state_dict(), "model after one more step")
+    log("loaded step", info.step, "at world", WORLD)
+
+
+def scenario_async_equals_sync(ckpt_dir):
+    """AsyncSaver's checkpoint equals a sync save of the same state, though training changed the
+    tensors right after save() returned."""
+    init_group()
+    model, optim, sched = training_state(seed=5)
+    state = state_of(model, optim, sched, with_rng=False)
+    ec.save(state, os.path.join(ckpt_dir, "sync"), 4)
+    saver = ec.AsyncSaver(os.path.join(ckpt_dir, "async"))
+    saver.save(state, 4)
+    with torch.no_grad():  # training goes on at once
+        for p in model.parameters():
+            p.add_(1.0)
+        state["embedding"].local_tensor.mul_(-3)
+    info = saver.wait()
+    assert info is not None and info.path.endswith("step-000000004"), info
+    saver.close()
+    loaded = {}
+    for flavour in ("sync", "async"):
+        fresh_model, _, fresh_sched = training_state(seed=77)
+        into = state_of(fresh_model, torch.optim.Adam(fresh_model.parameters()), fresh_sched, with_rng=False)
+        ec.load(into, os.path.join(ckpt_dir, flavour))
+        loaded[flavour] = into
+    same(loaded["sync"]["model"], loaded["async"]["model"], "model")
+    same(loaded["sync"]["optim"], loaded["async"]["optim"], "optim")
+    same(loaded["sync"]["embedding"].local_tensor, loaded["async"]["embedding"].local_tensor, "embedding")
+    start, count = rows_of(RANK, WORLD)
+    assert torch.equal(loaded["async"]["embedding"].local_tensor, embedding_rows(start, count)), \
+        "the async checkpoint holds values changed after save() returned"
+    log("async equals sync")
+
+
+def scenario_mismatch(ckpt_dir):
+    """A state_dict whose tensor has another shape: every rank raises one CheckpointMismatchError
+    naming the key; nothing is written into the tensors."""
+    init_group()
+    w = torch.full((4, 4), 7.0)
+    try:
+        ec.load({"model": {"0.weight": w}}, ckpt_dir)
+    except ec.CheckpointMismatchError as e:
+        assert "model/0.weight" in str(e) and "shape [8, 6]" in str(e), str(e)
+        assert torch.equal(w, torch.full((4, 4), 7.0))
+        log("mismatch:", e)
+        return
+    raise AssertionError("a shape mismatch loaded")
+
+
+def scenario_own_store(ckpt_dir):
+    """No process group: save, async save and load through the package's own store; MASTER_PORT
+    stays free for the workers' process group."""
+    import socket
+
+    state = {"w": torch.arange(12, dtype=torch.float32), "rank_slice": ec.Shard(torch.full((2,), float(RANK)),
+                                                                                  (2 * WORLD,), (2 * RANK,))}
+    ec.save(state, ckpt_dir, 1)
+    with ec.AsyncSaver(ckpt_dir) as saver:
+        saver.save(state, 2)
+    into = {"w": torch.zeros(12), "rank_slice": torch.zeros(2 * WORLD)}
+    info = ec.load(into, ckpt_dir)
+    assert info.step == 2 and torch.equal(into["w"], state["w"])
+    assert torch.equal(into["rank_slice"], torch.arange(WORLD, dtype=torch.float32).repeat_interleave(2))
+    if RANK == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))  # raises if the package took it
+    log("own store ok")
+
+
+def scenario_diverged_replicas(ckpt_dir):
+    """A 'replicated' tensor that differs across ranks fails the save on every rank, naming it."""
+    init_group()
+    try:
+        ec.save({"model": {"w": torch.full((64,), float(RANK))}}, ckpt_dir, 1)
+    except ec.CheckpointError as e:
+        assert "model/w" in str(e), str(e)
+        assert ec.list_steps(ckpt_dir) == []
+        log("refused:", e)
+        return
+    raise AssertionError("diverged replicas were saved")
+
+
+SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+
+if __name__ == "__main__":
+    SCENARIOS[sys.argv[1]](*sys.argv[2:])
+    if dist.is_initialized():
+        dist.destroy_process_group()
