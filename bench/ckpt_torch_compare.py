@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import os
 import shutil
+import socket
 import tempfile
 import time
 
@@ -112,7 +113,7 @@ def measure_python_package(rank, world, args, state, per_tensor):
         saver.wait()
         durable = time.perf_counter() - t0
         dist.barrier()
-    warm = [torch.empty_like(t) for t in shards.values()]
+    warm = [torch.empty_like(s.local_tensor) for s in shards.values()]
     for dst, shard in zip(warm, shards.values()):
         dst.copy_(shard.local_tensor)
     t0 = time.perf_counter()
@@ -134,8 +135,8 @@ def measure_python_package(rank, world, args, state, per_tensor):
     return out
 
 
-def worker(rank, world, args, init_file, results):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def worker(rank, world, args, init_method, results):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     per_tensor = args.mib_per_rank * (1 << 20) // 4 // args.tensors
     state = {f"rank{rank}.t{i}": torch.rand(per_tensor) for i in range(args.tensors)}
     nbytes = sum(t.numel() * 4 for t in state.values()) * world
@@ -255,10 +256,14 @@ def main():
     args = p.parse_args()
     args.dir = tempfile.mkdtemp(prefix="torchcmp-", dir=args.dir)
     torch.set_num_threads(1)
-    init_file = os.path.join(args.dir, "init")
+    # a TCPStore, as jobs have (the elastrun package votes through the group's store; a FileStore
+    # rereads its whole file on every operation)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        init_method = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.ranks, args, init_file, results)) for r in range(args.ranks)]
+    procs = [ctx.Process(target=worker, args=(r, args.ranks, args, init_method, results)) for r in range(args.ranks)]
     for proc in procs:
         proc.start()
     for proc in procs:

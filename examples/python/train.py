@@ -245,6 +245,8 @@ class Trainer:
                 if self.step % 10 == 0 or self.step == args.steps:
                     self.log(f"step {self.step}/{args.steps} loss {loss_value:.5f} world {self.world}")
                 self.events.write("step", step=self.step, loss=finite(loss_value), world_size=self.world)
+            if self.pending is not None and not self.saver.busy:
+                self.finish_save()  # durable: log it and write its event now, not at the next save
             status = control.poll_all()  # every rank takes the same decision
             if status.stop:
                 if self.saver:
