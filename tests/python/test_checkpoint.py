@@ -115,6 +115,20 @@ def test_without_a_process_group_the_ranks_open_their_own_store(tmp_path):
     run_world(3, "own_store", tmp_path)
 
 
+def test_under_torchrun(tmp_path):
+    # torchrun's workers: with a process group (the group's store), and without (the package's own)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    for args in (["save", tmp_path / "ckpt", 3], ["own_store", tmp_path / "own"]):
+        out = subprocess.run(["/usr/bin/python3", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "--redirects", "9:0", "--tee", "9:0",  # 1.13 on Python 3.11 needs a map here
+                              os.path.join(here, "ranks.py"), *map(str, args)], env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert out.returncode == 0, f"torchrun {args[0]}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    run_world(1, "load", tmp_path / "ckpt", 3)
+
+
 def test_corrupt_shard_falls_back_to_the_previous_step(tmp_path):
     w = torch.arange(4096, dtype=torch.float32)
     ec.save({"w": w}, tmp_path, 1)

@@ -6,6 +6,9 @@
 #               environment form, --export=NONE, and stale RANK/MASTER_* from the submit shell
 #   gloo        torch gloo all_reduce over env:// with 2 nodes x 2 tasks and only --torch-env; the
 #               same for examples' libtorch `train` (when built: TRAIN)
+#   python      the elastrun Python package with only --torch-env (tests/python/ranks.py): 4 ranks
+#               on 2 nodes without a process group (the package's own store), a model + Adam saved
+#               by 4 ranks through the group's store and loaded bit-exactly by 3
 #   het         srun A : B and salloc A : B + srun --het-group=0,1: global ranks, one master
 #   batch       sbatch/salloc --torch-env: every srun of the job gets it, the batch script does not;
 #               sbatch/torch-env.sbatch runs 2 nodes x 2 tasks with a consistent torch environment
@@ -369,5 +372,19 @@ elastic)
   ;;
 elastic_kill2) elastic_kill n2 n1 n3 ;;
 elastic_kill1) elastic_kill n1 n2 n3 ;;
+python)
+  [[ -d ${PYTHON_PACKAGE:-} ]] || skip "the elastrun Python package is not built (PYTHON_PACKAGE)"
+  ranks=$TESTS_DIR/../python/ranks.py
+  export PYTHONPATH=$PYTHON_PACKAGE PYTHONDONTWRITEBYTECODE=1
+  srun -N2 -n4 --torch-env "$PY" "$ranks" own_store "$out/py-own" >"$out/py-own.log" 2>&1 ||
+    fail "own store: srun exited $?: $(tail -5 "$out/py-own.log")"
+  [[ $(grep -c 'own store ok' "$out/py-own.log") -eq 4 ]] || fail "own store: not all 4 ranks finished"
+  srun -N2 -n4 --torch-env "$PY" "$ranks" save "$out/py/ckpt" 3 >"$out/py-save.log" 2>&1 ||
+    fail "save at world 4: srun exited $?: $(tail -5 "$out/py-save.log")"
+  srun -N2 -n3 --torch-env "$PY" "$ranks" load "$out/py/ckpt" 3 >"$out/py-load.log" 2>&1 ||
+    fail "load at world 3: srun exited $?: $(tail -5 "$out/py-load.log")"
+  [[ $(grep -c 'loaded step 3 at world 3' "$out/py-load.log") -eq 3 ]] || fail "load: not all 3 ranks loaded"
+  echo "ok: elastrun.checkpoint under srun --torch-env: own store (2 nodes x 2), world 4 -> 3 through the group's store"
+  ;;
 *) fail "unknown case $CASE" ;;
 esac
