@@ -54,7 +54,7 @@ std::string PythonKeyValueStore::get(const std::string& key) {
                                            std::chrono::duration_cast<std::chrono::seconds>(timeout_).count()));
     }
     std::this_thread::sleep_for(pause);
-    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(20));
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(5));
   }
 }
 

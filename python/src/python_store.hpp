@@ -7,7 +7,7 @@
 // store: a TCPStore client holds its connection's lock for a whole wait(), which would stall every
 // other user of the store in this process (new_group, a sync save during an async one) until the
 // peers voted. Instead set() also bumps "<key>/ready", and get() polls that counter with add(0)
-// -- a non-blocking call -- sleeping without the GIL in between (0.5 ms, growing to 20 ms).
+// -- a non-blocking call -- sleeping without the GIL in between (0.5 ms, growing to 5 ms).
 #include <chrono>
 #include <string>
 

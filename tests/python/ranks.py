@@ -210,7 +210,10 @@ def scenario_own_store(ckpt_dir):
     assert torch.equal(into["rank_slice"], torch.arange(WORLD, dtype=torch.float32).repeat_interleave(2))
     if RANK == 0:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))  # raises if the package took it
+            # SO_REUSEADDR: an earlier job's connections to this port may linger in TIME_WAIT; a
+            # listener (the package having taken the port) still makes the bind fail
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
     log("own store ok")
 
 
