@@ -237,7 +237,7 @@ def ckpt_figures(figs, fs, rounds):
     figs.add(f"ckpt.{fs}.save_vs_h5py", "ckpt", f"[{fs}] sync save vs h5py per rank", "GB/s", "higher", save,
              "h5py, one file per rank", gbs(total, anchor("h5py save per rank")), None, size)
     figs.add(f"ckpt.{fs}.load_vs_torch_load", "ckpt", f"[{fs}] load into existing tensors (hashes verified) vs torch.load",
-             "GB/s", "higher", load, "torch.load per rank", gbs(total, anchor("torch.load per rank")),
+             "GB/s", "higher", load, "torch.load + load_state_dict per rank", gbs(total, anchor("torch.load per rank")),
              (">=", 4.0, ">= 4x"), "the shared-file step; page cache warm for both")
     figs.add(f"ckpt.{fs}.load_vs_dcp", "ckpt", f"[{fs}] load vs DCP load", "GB/s", "higher", load, "DCP load (torch 1.13)",
              gbs(total, anchor("torch.distributed.checkpoint load")), None, "page cache warm for both")
@@ -273,7 +273,7 @@ def python_figures(figs, fs, ok, total, shard, limit, anchor, size):
     figs.add(f"ckpt.{fs}.python_save_vs_limit", "ckpt", f"[{fs}] Python save vs storage limit", "GB/s", "higher", save,
              "storage limit (best of fio and dd)", limit, (">=", 0.9, ">= 0.9x"), size, why=why)
     figs.add(f"ckpt.{fs}.python_load_vs_torch_load", "ckpt", f"[{fs}] Python load in place (verified) vs torch.load",
-             "GB/s", "higher", load, "torch.load per rank", gbs(total, anchor("torch.load per rank")),
+             "GB/s", "higher", load, "torch.load + load_state_dict per rank", gbs(total, anchor("torch.load per rank")),
              (">=", 4.0, ">= 4x"), "page cache warm for both", why=why)
     figs.add(f"ckpt.{fs}.python_load_vs_dcp", "ckpt", f"[{fs}] Python load vs DCP load", "GB/s", "higher", load,
              "DCP load (torch 1.13)", gbs(total, anchor("torch.distributed.checkpoint load")), None,

@@ -1,14 +1,19 @@
 // Checkpoint (reader) and restore_latest (collective, with fallback).
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <map>
+#include <cstring>
 #include <set>
+#include <span>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "elastrun/ckpt/checkpoint.hpp"
+#include "elastrun/util/unique_fd.hpp"
 #include "h5.hpp"
 #include "internal.hpp"
 #include "manifest.hpp"
@@ -19,14 +24,60 @@ namespace fs = std::filesystem;
 using detail::Box;
 using nlohmann::json;
 
+namespace {
+
+// A read-only mapping of a whole shard file. Restores hash and copy contiguous pieces straight
+// from it: no pass through a scratch buffer, and no kernel copy into the targets (reads through
+// HDF5 are pread()s; under paravirtualised VMs such as this project's test machines the kernel's
+// first write into each 4 KiB page of a target costs a hypervisor fault, ~10x the copy). The
+// file's size was checked against the manifest before (check_files), so every mapped byte exists.
+class FileMapping {
+ public:
+  // nullopt where the file cannot be mapped (some network filesystems): read through HDF5 then.
+  static std::optional<FileMapping> open(const fs::path& path) {
+    util::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+    struct stat info {};
+    if (!fd || ::fstat(fd.get(), &info) != 0 || info.st_size <= 0) return std::nullopt;
+    void* data = ::mmap(nullptr, static_cast<std::size_t>(info.st_size), PROT_READ, MAP_SHARED, fd.get(), 0);
+    if (data == MAP_FAILED) return std::nullopt;
+    return FileMapping(data, static_cast<std::size_t>(info.st_size));
+  }
+  FileMapping(FileMapping&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  FileMapping& operator=(FileMapping&&) = delete;
+  FileMapping(const FileMapping&) = delete;
+  FileMapping& operator=(const FileMapping&) = delete;
+  ~FileMapping() {
+    if (data_ != nullptr) ::munmap(data_, size_);
+  }
+  std::span<const std::byte> bytes() const { return {static_cast<const std::byte*>(data_), size_}; }
+  // Maps the pages of `piece` in one call (and reads them, if not cached) instead of one fault per
+  // few pages while copying; only what this rank reads (a resharding restore reads parts of files).
+  // Kernels before 5.14 refuse the advice: the copy then faults the pages in as usual.
+  void populate(std::span<const std::byte> piece) const {
+    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const auto first = reinterpret_cast<std::uintptr_t>(piece.data()) / page * page;
+    const auto end = reinterpret_cast<std::uintptr_t>(piece.data()) + piece.size();
+    if (piece.empty()) return;
+    (void)::madvise(reinterpret_cast<void*>(first), end - first, MADV_POPULATE_READ);
+  }
+
+ private:
+  FileMapping(void* data, std::size_t size) : data_(data), size_(size) {}
+  void* data_;
+  std::size_t size_;
+};
+
+}  // namespace
+
 struct Checkpoint::State {
   fs::path path;
   json manifest;
   std::vector<TensorInfo> tensors;
   std::map<std::string, std::size_t> by_name;
-  std::map<std::string, h5::Handle> open_shards;  // file name -> handle
-  std::set<std::string> verified;                 // piece_key() of pieces whose hash matched
-  std::vector<std::byte> scratch;                 // reused for whole-shard reads when verifying
+  std::map<std::string, h5::Handle> open_shards;               // file name -> handle
+  std::set<std::string> verified;                              // piece_key() of pieces whose hash matched
+  std::vector<std::byte> scratch;                              // reused for whole-shard reads when verifying
+  std::map<std::string, std::optional<FileMapping>> mappings;  // file name -> mapping (nullopt: unmappable)
 
   ~State() {
     h5::Lock lock(h5::library_mutex());  // H5Fclose of the cached shards
@@ -41,6 +92,12 @@ struct Checkpoint::State {
     h5::Handle file =
         h5::make_file(H5Fopen(shard_path.c_str(), H5F_ACC_RDONLY, fapl.get()), "open shard " + shard_path.string());
     return open_shards.emplace(file_name, std::move(file)).first->second.get();
+  }
+
+  const FileMapping* mapping(const std::string& file_name) {
+    auto it = mappings.find(file_name);
+    if (it == mappings.end()) it = mappings.emplace(file_name, FileMapping::open(path / file_name)).first;
+    return it->second ? &*it->second : nullptr;
   }
 };
 
@@ -171,13 +228,56 @@ h5::Handle open_piece(hid_t file, const TensorInfo& tensor, const ShardInfo& sha
   return dataset;
 }
 
-// Hashes the stored piece `shard` (as the writer did: its bytes in C order), reading it in
-// chunks of at most kChunk bytes through `scratch`.
-std::uint64_t hash_stored_piece(hid_t file, const TensorInfo& tensor, const ShardInfo& shard,
-                                std::vector<std::byte>& scratch) {
+// The bytes of the piece `shard` in `mapping`, when they are one run in C order there: a
+// contiguous dataset stored in exactly the library's storage type, the piece spanning whole rows
+// (the writers' layouts: a dataset per piece, or a shared dataset split along dimension 0).
+// nullopt: read through HDF5 (chunked or compact datasets, other types, partial rows).
+std::optional<std::span<const std::byte>> mapped_piece(const FileMapping* mapping, hid_t dataset, hid_t file_space,
+                                                       const TensorInfo& tensor, const ShardInfo& shard) {
+  if (mapping == nullptr) return std::nullopt;
+  {
+    h5::Handle dcpl = h5::make_plist(H5Dget_create_plist(dataset), "get dataset creation list");
+    if (H5Pget_layout(dcpl.get()) != H5D_CONTIGUOUS) return std::nullopt;
+    h5::Handle stored = h5::make_type(H5Dget_type(dataset), "get dataset type");
+    h5::Handle expected = h5::storage_type(tensor.dtype);
+    if (H5Tequal(stored.get(), expected.get()) <= 0) return std::nullopt;
+  }
+  const haddr_t address = H5Dget_offset(dataset);
+  if (address == HADDR_UNDEF) return std::nullopt;
+  const std::size_t ndim = tensor.shape.size();
+  std::vector<hsize_t> dims(ndim);
+  if (ndim > 0) h5::check(H5Sget_simple_extent_dims(file_space, dims.data(), nullptr), "get dataset shape");
+  std::uint64_t row_elements = 1;  // elements per index of dimension 0
+  for (std::size_t d = 1; d < ndim; ++d) {
+    if (shard.in_file_offset[d] != 0 || shard.extent[d] != dims[d]) return std::nullopt;
+    row_elements *= dims[d];
+  }
+  const std::size_t element_size = dtype_size(tensor.dtype);
+  const auto elements = detail::checked_element_count(shard.extent);
+  const auto first =
+      ndim == 0 ? std::optional<std::uint64_t>(0) : detail::checked_mul(shard.in_file_offset[0], row_elements);
+  if (!elements || !first) return std::nullopt;
+  const auto begin = detail::checked_add(address, *first * element_size);
+  const auto length = detail::checked_mul(*elements, element_size);
+  const auto bytes = mapping->bytes();
+  if (!begin || !length || *begin > bytes.size() || *length > bytes.size() - *begin) return std::nullopt;
+  return bytes.subspan(*begin, *length);
+}
+
+// Hashes the stored piece `shard` (as the writer did: its bytes in C order): from the file's
+// mapping when the piece is one run there, else reading it in chunks of at most kChunk bytes
+// through `scratch`.
+std::uint64_t hash_stored_piece(hid_t file, const FileMapping* mapping, const TensorInfo& tensor,
+                                const ShardInfo& shard, std::vector<std::byte>& scratch) {
   constexpr std::uint64_t kChunk = 16ULL << 20;
   h5::Handle file_space;
   h5::Handle dataset = open_piece(file, tensor, shard, file_space);
+  if (const auto piece = mapped_piece(mapping, dataset.get(), file_space.get(), tensor, shard)) {
+    mapping->populate(*piece);
+    detail::Xxh3Stream stream;
+    stream.update(piece->data(), piece->size());
+    return stream.digest();
+  }
   h5::Handle type = h5::storage_type(tensor.dtype);
   const std::size_t element_size = dtype_size(tensor.dtype);
   detail::Xxh3Stream stream;
@@ -258,7 +358,8 @@ std::vector<std::string> Checkpoint::verify_all() {
         continue;
       }
       try {
-        const std::uint64_t hash = hash_stored_piece(handle, tensor, shard, state_->scratch);
+        const std::uint64_t hash =
+            hash_stored_piece(handle, state_->mapping(shard.file), tensor, shard, state_->scratch);
         if (hash != shard.xxh3) {
           problems.push_back(fmt::format("{}: tensor '{}' content hash {} != recorded {} (data corrupted)",
                                          file.string(), tensor.name, detail::hex64(hash), detail::hex64(shard.xxh3)));
@@ -317,7 +418,7 @@ void Checkpoint::check_read(const TensorTarget& target, const ReadOptions& optio
         (void)open_piece(file, tensor, shard, file_space);  // structure only
         continue;
       }
-      hash = hash_stored_piece(file, tensor, shard, state_->scratch);
+      hash = hash_stored_piece(file, state_->mapping(shard.file), tensor, shard, state_->scratch);
     } catch (const std::exception& e) {
       throw CorruptCheckpointError(
           fmt::format("{}: cannot read tensor '{}' ({}); restore will "
@@ -355,6 +456,20 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
       const hid_t file = state_->shard(shard.file);
       h5::Handle file_space;
       h5::Handle dataset = open_piece(file, tensor, shard, file_space);
+      const FileMapping* mapping = state_->mapping(shard.file);
+      if (const auto piece = mapped_piece(mapping, dataset.get(), file_space.get(), tensor, shard)) {
+        if (ndim > 0) {  // only the rows this target reads (whole rows: see mapped_piece)
+          const std::size_t row_bytes = piece->size() / std::max<std::uint64_t>(shard.extent[0], 1);
+          mapping->populate(piece->subspan(in_shard[0] * row_bytes, overlap->extent[0] * row_bytes));
+        }
+        if (ndim == 0) {
+          std::memcpy(target.data, piece->data(), piece->size());
+        } else {
+          detail::copy_box(piece->data(), shard.extent, in_shard, static_cast<std::byte*>(target.data), target.extent,
+                           in_target, overlap->extent, dtype_size(tensor.dtype));
+        }
+        continue;
+      }
       h5::Handle type = h5::storage_type(tensor.dtype);
       if (ndim == 0) {
         h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, target.data), "read scalar");
