@@ -281,6 +281,18 @@ void AsyncSaver::save(std::uint64_t step, std::span<const TensorView> tensors, n
   changed_.notify_all();
 }
 
+void AsyncSaver::fail(std::uint64_t step, std::string reason) {
+  std::unique_lock lock(mutex_);
+  wait_idle(lock);
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  Job job;
+  job.step = step;
+  job.error = fmt::format("rank {}: step {} not saved: {}", comm_.rank(), step, reason);
+  pending_ = std::move(job);
+  in_flight_ = true;
+  changed_.notify_all();
+}
+
 void AsyncSaver::stage_copy(Job& job, int rank, int world, const std::function<void(const TensorView&)>& after_copy) {
   static const std::byte no_piece{};  // non-null data for ranks that write none of a tensor
   try {

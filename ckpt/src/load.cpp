@@ -4,8 +4,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
-#include <map>
+#include <cerrno>
 #include <cstring>
+#include <map>
 #include <set>
 #include <span>
 
@@ -52,13 +53,15 @@ class FileMapping {
   std::span<const std::byte> bytes() const { return {static_cast<const std::byte*>(data_), size_}; }
   // Maps the pages of `piece` in one call (and reads them, if not cached) instead of one fault per
   // few pages while copying; only what this rank reads (a resharding restore reads parts of files).
-  // Kernels before 5.14 refuse the advice: the copy then faults the pages in as usual.
-  void populate(std::span<const std::byte> piece) const {
+  // False if the pages cannot be read (an I/O error, which touching them would turn into SIGBUS):
+  // the caller reads through HDF5 instead and gets the error as an exception. Kernels before 5.14
+  // refuse the advice (EINVAL): the copy then faults the pages in as usual.
+  bool populate(std::span<const std::byte> piece) const {
+    if (piece.empty()) return true;
     const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
     const auto first = reinterpret_cast<std::uintptr_t>(piece.data()) / page * page;
     const auto end = reinterpret_cast<std::uintptr_t>(piece.data()) + piece.size();
-    if (piece.empty()) return;
-    (void)::madvise(reinterpret_cast<void*>(first), end - first, MADV_POPULATE_READ);
+    return ::madvise(reinterpret_cast<void*>(first), end - first, MADV_POPULATE_READ) == 0 || errno == EINVAL;
   }
 
  private:
@@ -272,8 +275,8 @@ std::uint64_t hash_stored_piece(hid_t file, const FileMapping* mapping, const Te
   constexpr std::uint64_t kChunk = 16ULL << 20;
   h5::Handle file_space;
   h5::Handle dataset = open_piece(file, tensor, shard, file_space);
-  if (const auto piece = mapped_piece(mapping, dataset.get(), file_space.get(), tensor, shard)) {
-    mapping->populate(*piece);
+  const auto piece = mapped_piece(mapping, dataset.get(), file_space.get(), tensor, shard);
+  if (piece && mapping->populate(*piece)) {
     detail::Xxh3Stream stream;
     stream.update(piece->data(), piece->size());
     return stream.digest();
@@ -457,11 +460,11 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
       h5::Handle file_space;
       h5::Handle dataset = open_piece(file, tensor, shard, file_space);
       const FileMapping* mapping = state_->mapping(shard.file);
-      if (const auto piece = mapped_piece(mapping, dataset.get(), file_space.get(), tensor, shard)) {
-        if (ndim > 0) {  // only the rows this target reads (whole rows: see mapped_piece)
-          const std::size_t row_bytes = piece->size() / std::max<std::uint64_t>(shard.extent[0], 1);
-          mapping->populate(piece->subspan(in_shard[0] * row_bytes, overlap->extent[0] * row_bytes));
-        }
+      const auto piece = mapped_piece(mapping, dataset.get(), file_space.get(), tensor, shard);
+      // Only the rows this target reads are populated (pieces are whole rows: see mapped_piece).
+      const std::size_t row_bytes = piece && ndim > 0 ? piece->size() / std::max<std::uint64_t>(shard.extent[0], 1) : 0;
+      if (piece && mapping->populate(
+                       ndim == 0 ? *piece : piece->subspan(in_shard[0] * row_bytes, overlap->extent[0] * row_bytes))) {
         if (ndim == 0) {
           std::memcpy(target.data, piece->data(), piece->size());
         } else {

@@ -454,6 +454,14 @@ SaveResult save_checkpoint(const fs::path& root, std::uint64_t step, std::span<c
   return detail::save_checkpoint_from(root, step, tensors, metadata, comm, options, {});
 }
 
+void fail_save_checkpoint(const fs::path& root, std::uint64_t step, const std::string& reason, Communicator& comm,
+                          const SaveOptions& options) {
+  detail::SaveInputs inputs;
+  inputs.local_error = &reason;
+  (void)detail::save_checkpoint_from(root, step, {}, json::object(), comm, options, inputs);
+  throw CheckpointError(fmt::format("checkpoint step {} not saved: {}", step, reason));  // not reached: the vote fails
+}
+
 SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step, std::span<const TensorView> tensors,
                                         const json& metadata, Communicator& comm, const SaveOptions& options,
                                         const SaveInputs& inputs) {

@@ -107,8 +107,9 @@ def communicator(ckpt_dir: str, purpose: str, *, store: Any = None, rank: Option
 def collective(ckpt_dir: str, purpose: str, *, store: Any = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT
                ) -> Iterator[Any]:
     """The communicator for one collective call. If the call fails on this rank -- in the vote, or
-    before it on bad input -- the next call uses fresh keys: a rank that failed early never took
-    part, its peers failed on their timeout, and every rank moves on to the same new prefix."""
+    before it on bad input -- the next call uses fresh keys: a save that failed early on one rank
+    still voted no there (its peers fail at once), a load that did failed its peers on their
+    timeout, and every rank moves on to the same new prefix."""
     comm = communicator(ckpt_dir, purpose, store=store, timeout=timeout)
     try:
         yield comm

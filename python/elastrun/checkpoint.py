@@ -207,10 +207,19 @@ def save(state_dict: Dict[str, Any], ckpt_dir: str, step: int, *, metadata: Opti
     os.makedirs(ckpt_dir, exist_ok=True)
     with _comm.collective(ckpt_dir, "sync", store=store, timeout=timeout) as comm:
         _check_step(step)
-        flat = _tree.flatten(state_dict)
-        text = _metadata_text(state_dict, flat, metadata)
-        entries, keep = _save_entries(flat)
         options = _save_options(keep_last, keep_every, check_replicas)
+        try:
+            flat = _tree.flatten(state_dict)
+            text = _metadata_text(state_dict, flat, metadata)
+            entries, keep = _save_entries(flat)
+        except Exception as e:
+            # The other ranks are about to wait for this rank's votes: vote no (they fail at once,
+            # naming this rank), then raise the cause here.
+            try:
+                _core.fail_save(os.fspath(ckpt_dir), step, f"{type(e).__name__}: {e}", comm, options)
+            except CheckpointError:
+                pass
+            raise
         result = _core.save(os.fspath(ckpt_dir), step, entries, text, comm, options)
         del keep
     return SaveInfo(step, result["path"], result["bytes_written"], result["snapshot_bytes"], result["warnings"])
@@ -392,9 +401,16 @@ class AsyncSaver:
         if self._saver is None:
             raise CheckpointError("this AsyncSaver is closed")
         _check_step(step)
-        flat = _tree.flatten(state_dict)
-        text = _metadata_text(state_dict, flat, metadata)
-        entries, keep = _save_entries(flat)
+        try:
+            flat = _tree.flatten(state_dict)
+            text = _metadata_text(state_dict, flat, metadata)
+            entries, keep = _save_entries(flat)
+        except Exception as e:
+            # The other ranks' writers are about to wait for this rank's votes: vote no, so that
+            # every rank's next wait()/save() raises this instead of timing out, and raise here.
+            self._saver.fail(step, f"{type(e).__name__}: {e}")
+            self._pending_step = step
+            raise
         self._saver.save(step, entries, text)
         del keep
         self._pending_step = step

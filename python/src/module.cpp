@@ -181,6 +181,10 @@ class PyAsyncSaver {
     py::gil_scoped_release release;
     saver_->save(step, views, std::move(parsed));
   }
+  void fail(std::uint64_t step, std::string reason) {
+    py::gil_scoped_release release;
+    saver_->fail(step, std::move(reason));
+  }
   py::object wait() {
     std::optional<ckpt::SaveResult> result;
     {
@@ -249,6 +253,16 @@ PYBIND11_MODULE(_core, m) {
       py::arg("root"), py::arg("step"), py::arg("entries"), py::arg("metadata"), py::arg("comm"), py::arg("options"));
 
   m.def(
+      "fail_save",
+      [](const std::string& root, std::uint64_t step, const std::string& reason, Comm& comm, const py::dict& options) {
+        const auto o = save_options(options);
+        py::gil_scoped_release release;
+        ckpt::fail_save_checkpoint(root, step, reason, *comm.communicator, o);
+      },
+      py::arg("root"), py::arg("step"), py::arg("reason"), py::arg("comm"), py::arg("options"),
+      "this rank votes no in the save its peers are in (always raises CheckpointError)");
+
+  m.def(
       "restore",
       [mismatch = py::object(mismatch_error), corrupt = py::object(corrupt_error)](
           const std::string& root, Comm& comm, py::function targets_for, bool verify) -> py::object {
@@ -313,6 +327,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<const std::string&, py::object, const py::dict&>(), py::arg("root"), py::arg("comm"),
            py::arg("options"))
       .def("save", &PyAsyncSaver::save, py::arg("step"), py::arg("entries"), py::arg("metadata"))
+      .def("fail", &PyAsyncSaver::fail, py::arg("step"), py::arg("reason"),
+           "this rank votes no on step (its state_dict could not be converted)")
       .def("wait", &PyAsyncSaver::wait)
       .def_property_readonly("busy", &PyAsyncSaver::busy);
 

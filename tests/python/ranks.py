@@ -230,6 +230,56 @@ def scenario_diverged_replicas(ckpt_dir):
     raise AssertionError("diverged replicas were saved")
 
 
+def scenario_sync_one_bad_rank(ckpt_dir):
+    """A sync save whose state_dict one rank cannot convert: that rank raises the cause, the others
+    a CheckpointError naming it (not a timeout); the next save works."""
+    import datetime
+
+    init_group()
+    good = {"w": torch.arange(8, dtype=torch.float32)}
+    try:
+        ec.save({**good, "bad": object()} if RANK == 1 else good, ckpt_dir, 1,
+                timeout=datetime.timedelta(seconds=120))
+        raise AssertionError("step 1 was saved although rank 1 failed")
+    except ec.TreeError as e:
+        assert RANK == 1, e
+        log("raised the cause:", e)
+    except ec.CheckpointError as e:
+        assert RANK != 1 and "rank 1" in str(e) and "bad" in str(e), str(e)
+        log("failed with rank 1:", e)
+    ec.save(good, ckpt_dir, 2)
+    assert [step for step, _ in ec.list_steps(ckpt_dir)] == [2]
+    log("sync bad rank ok")
+
+
+def scenario_async_one_bad_rank(ckpt_dir):
+    """One rank's state_dict cannot be converted: that rank raises at once, and every rank's next
+    wait() raises the failure naming it (not a timeout); the saver then works again."""
+    import datetime
+
+    init_group()
+    good = {"w": torch.arange(8, dtype=torch.float32)}
+    with ec.AsyncSaver(ckpt_dir, timeout=datetime.timedelta(seconds=120)) as saver:
+        if RANK == 1:
+            try:
+                saver.save({**good, "bad": object()}, 1)
+                raise AssertionError("an object() leaf was accepted")
+            except ec.TreeError as e:
+                log("raised at once:", e)
+        else:
+            saver.save(good, 1)
+        try:
+            saver.wait()
+            raise AssertionError("step 1 was saved although rank 1 failed")
+        except ec.CheckpointError as e:
+            assert "rank 1" in str(e) and "bad" in str(e), str(e)
+            log("wait raised:", e)
+        saver.save(good, 2)
+        saver.wait()
+    assert [step for step, _ in ec.list_steps(ckpt_dir)] == [2]
+    log("async bad rank ok")
+
+
 SCENARIOS = {name[len("scenario_"):]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 if __name__ == "__main__":

@@ -110,6 +110,13 @@ def test_async_equals_sync_while_training_modifies_the_tensors(tmp_path):
     run_world(2, "async_equals_sync", tmp_path)
 
 
+def test_a_save_failing_on_one_rank_fails_every_rank_without_a_timeout(tmp_path):
+    out = run_world(3, "sync_one_bad_rank", tmp_path / "sync")
+    assert all("sync bad rank ok" in o for o in out)
+    out = run_world(2, "async_one_bad_rank", tmp_path / "async")
+    assert all("async bad rank ok" in o for o in out)
+
+
 def test_without_a_process_group_the_ranks_open_their_own_store(tmp_path):
     # No init_process_group: the package's own store (never MASTER_PORT, which stays free).
     run_world(3, "own_store", tmp_path)

@@ -36,6 +36,11 @@ class AsyncSaver {
   // Waits for the previous save; if it failed, throws its error (and does not start this one).
   // Otherwise snapshots `tensors` and returns; the caller may modify them right away.
   void save(std::uint64_t step, std::span<const TensorView> tensors, nlohmann::json metadata);
+  // This rank cannot take part in step `step` (its caller failed before it had tensors to give,
+  // e.g. a state_dict it cannot convert): like save(), but this rank votes no with `reason`, so
+  // every rank's next wait() or save() throws instead of the others waiting for its votes until
+  // their timeout. Throws the previous save's error like save().
+  void fail(std::uint64_t step, std::string reason);
   // Blocks until no save is in flight; throws the last save's error once, if it failed.
   std::optional<SaveResult> wait();
   bool busy() const;

@@ -91,6 +91,12 @@ struct SaveResult {
 // directory in atomically (renameat2 RENAME_EXCHANGE), so a good copy of the step always exists.
 SaveResult save_checkpoint(const std::filesystem::path& root, std::uint64_t step, std::span<const TensorView> tensors,
                            const nlohmann::json& metadata, Communicator& comm, const SaveOptions& options = {});
+// Collective, for a rank that cannot give its tensors to the save_checkpoint its peers are in
+// (its caller failed first, e.g. converting its state): it takes part in every round, voting no
+// with `reason`, so that the peers fail at once instead of waiting for its votes. Always throws
+// CheckpointError (the same on every rank, naming this rank and `reason`).
+[[noreturn]] void fail_save_checkpoint(const std::filesystem::path& root, std::uint64_t step, const std::string& reason,
+                                       Communicator& comm, const SaveOptions& options = {});
 
 struct ShardInfo {
   std::string file;  // relative to the step directory
