@@ -73,6 +73,28 @@ def peak_extra_bytes(action):
     return max(0, status("VmHWM") - before)
 
 
+def settle(rank):
+    """Before each timed save: every rank here, the earlier measures' dirty pages written back,
+    the disk idle for a moment -- each tool starts from the same state, whatever ran before it."""
+    dist.barrier()
+    if rank == 0:
+        os.sync()
+    time.sleep(1.0)
+    dist.barrier()
+
+
+def warm_up(rank, args, state):
+    """Untimed: each rank writes its tensors to a scratch file once and deletes it. On
+    paravirtualised VMs the kernel's first access to fresh user memory costs a hypervisor fault per
+    page; a training job pays it at its first checkpoint only, and without this the first tool
+    measured (torch.save) would pay it for all of them."""
+    path = os.path.join(args.dir, f"warm-up-{rank}")
+    with open(path, "wb") as f:
+        for tensor in state.values():
+            f.write(tensor.numpy().data)
+    os.unlink(path)
+
+
 def measure_python_package(rank, world, args, state, per_tensor):
     """The elastrun Python package on the same tensors (each rank's slice of tensor i as a Shard
     of a [world * n] tensor, like DCP's and ckpt_bench's layout): sync save, load in place, async
@@ -88,7 +110,7 @@ def measure_python_package(rank, world, args, state, per_tensor):
     shards = {f"t{i}": ec.Shard(state[f"rank{rank}.t{i}"], (world * per_tensor,), (rank * per_tensor,))
               for i in range(args.tensors)}
     root = os.path.join(args.dir, "elastrun-py")
-    dist.barrier()
+    settle(rank)
     t0 = time.perf_counter()
     extra = peak_extra_bytes(lambda: ec.save(shards, root, 1))
     dist.barrier()
@@ -132,7 +154,9 @@ def measure_python_package(rank, world, args, state, per_tensor):
     out["memcpy of the shard (Python)"] = worst[2]
     if worst[3] >= 0:
         out["elastrun.checkpoint peak extra bytes (Python)"] = worst[3]
-    shutil.rmtree(root, ignore_errors=True) if rank == 0 else None
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(os.path.join(args.dir, "elastrun-py-async"), ignore_errors=True)
     return out
 
 
@@ -142,9 +166,10 @@ def worker(rank, world, args, init_method, results):
     state = {f"rank{rank}.t{i}": torch.rand(per_tensor) for i in range(args.tensors)}
     nbytes = sum(t.numel() * 4 for t in state.values()) * world
 
+    warm_up(rank, args, state)
     out = os.path.join(args.dir, "torch_save")
     os.makedirs(out, exist_ok=True)
-    dist.barrier()
+    settle(rank)
     t0 = time.perf_counter()
     path = os.path.join(out, f"rank{rank}.pt")
     torch.save(state, path)
@@ -166,6 +191,7 @@ def worker(rank, world, args, init_method, results):
     dist.barrier()
     t_load = time.perf_counter() - t0
     del loaded, model
+    os.unlink(path)  # each measure's files go once read: the next tool writes into the same free memory
 
     # h5py writing the same tensors, one file per rank (a hand-written HDF5 checkpoint), fsynced
     t_h5 = t_h5_load = None
@@ -175,7 +201,7 @@ def worker(rank, world, args, init_method, results):
         h5_dir = os.path.join(args.dir, "h5py")
         os.makedirs(h5_dir, exist_ok=True)
         h5_path = os.path.join(h5_dir, f"rank{rank}.h5")
-        dist.barrier()
+        settle(rank)
         t0 = time.perf_counter()
         with h5py.File(h5_path, "w") as f:
             for name, tensor in state.items():
@@ -195,6 +221,7 @@ def worker(rank, world, args, init_method, results):
                 f[name].read_direct(target.numpy())
         dist.barrier()
         t_h5_load = time.perf_counter() - t0
+        os.unlink(h5_path)
     except Exception as e:  # report rather than fail
         if rank == 0:
             print(f"# h5py unavailable: {e}", flush=True)
@@ -219,7 +246,7 @@ def worker(rank, world, args, init_method, results):
 
         dcp_state = {f"t{i}": sharded(state[f"rank{rank}.t{i}"]) for i in range(args.tensors)}
         dcp_dir = os.path.join(args.dir, "dcp")
-        dist.barrier()
+        settle(rank)
         t0 = time.perf_counter()
         dcp.save_state_dict(state_dict=dcp_state, storage_writer=dcp.FileSystemWriter(dcp_dir))
         if rank == 0:
