@@ -115,42 +115,6 @@ class PhaseAgreement {
   std::string error_;
 };
 
-// Asks the kernel to start writing back byte ranges of the shared file now (sync_file_range
-// SYNC_FILE_RANGE_WRITE: asynchronous, no durability promise). Only a hint: the fsync after
-// close remains the durability point and its errors are the ones reported, so a file that
-// cannot be opened here or a filesystem that rejects the call just turns the hints off.
-class WritebackHint {
- public:
-  // Off without fsync: the early writeback only exists to shorten the fsync.
-  WritebackHint(const fs::path& path, bool enabled) : fd_(enabled ? ::open(path.c_str(), O_RDONLY | O_CLOEXEC) : -1) {}
-  ~WritebackHint() {
-    if (fd_ >= 0) (void)::close(fd_);  // read-only descriptor: nothing to report on close
-  }
-  WritebackHint(const WritebackHint&) = delete;
-  WritebackHint& operator=(const WritebackHint&) = delete;
-
-  // The file bytes of `box` (C order in a dataset of `shape` stored contiguously at `address`):
-  // from its first to its last element, which is exactly the box for row splits.
-  void start(haddr_t address, const Shape& shape, const Box& box, std::size_t element_size) {
-    if (fd_ < 0 || address == HADDR_UNDEF) return;
-    std::uint64_t first = 0;
-    std::uint64_t last = 0;
-    for (std::size_t d = 0; d < shape.size(); ++d) {
-      first = first * shape[d] + box.offset[d];
-      last = last * shape[d] + box.offset[d] + box.extent[d] - 1;
-    }
-    const std::uint64_t begin = address + first * element_size;
-    const std::uint64_t length = (last - first + 1) * element_size;
-    if (::sync_file_range(fd_, static_cast<off64_t>(begin), static_cast<off64_t>(length), SYNC_FILE_RANGE_WRITE) != 0) {
-      (void)::close(fd_);
-      fd_ = -1;
-    }
-  }
-
- private:
-  int fd_;
-};
-
 }  // namespace
 
 json write_shared_file(const fs::path& directory, std::uint64_t step, std::span<const TensorView> tensors,

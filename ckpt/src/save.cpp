@@ -1,5 +1,8 @@
 // save_checkpoint: shard files per rank, vote, index with virtual datasets, then the atomic
 // commit and housekeeping of steps.cpp.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <map>
 #include <set>
@@ -108,6 +111,29 @@ std::map<std::string, std::uint64_t> detail::replica_fingerprints(std::span<cons
   return fingerprints;
 }
 
+detail::WritebackHint::WritebackHint(const fs::path& path, bool enabled)
+    : fd_(enabled ? ::open(path.c_str(), O_RDONLY | O_CLOEXEC) : -1) {}
+
+detail::WritebackHint::~WritebackHint() {
+  if (fd_ >= 0) (void)::close(fd_);  // read-only descriptor: nothing to report on close
+}
+
+void detail::WritebackHint::start(haddr_t address, const Shape& shape, const Box& box, std::size_t element_size) {
+  if (fd_ < 0 || address == HADDR_UNDEF) return;
+  std::uint64_t first = 0;
+  std::uint64_t last = 0;
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    first = first * shape[d] + box.offset[d];
+    last = last * shape[d] + box.offset[d] + box.extent[d] - 1;
+  }
+  const std::uint64_t begin = address + first * element_size;
+  const std::uint64_t length = (last - first + 1) * element_size;
+  if (::sync_file_range(fd_, static_cast<off64_t>(begin), static_cast<off64_t>(length), SYNC_FILE_RANGE_WRITE) != 0) {
+    (void)::close(fd_);
+    fd_ = -1;
+  }
+}
+
 std::uint64_t detail::write_hashed_runs(hid_t dataset, hid_t type, const Box& file_box, std::size_t element_size,
                                         const std::byte* bytes, bool whole_dataset, const std::string& what,
                                         const std::function<void(const Box&)>& after_run) {
@@ -165,6 +191,7 @@ json detail::write_shard_file(const fs::path& directory, std::uint64_t step, std
     h5::write_attr_i64(file.get(), "world_size", world);
     h5::Handle lcpl = h5::link_create_intermediate();
     h5::Handle dcpl = h5::contiguous_no_fill();
+    detail::WritebackHint writeback(file_path, options.fsync);
 
     for (const auto& t : tensors) {
       json entry = {{"name", t.name},
@@ -182,9 +209,15 @@ json detail::write_shard_file(const fs::path& directory, std::uint64_t step, std
         h5::Handle dataset = h5::make_dataset(
             H5Dcreate2(file.get(), t.name.c_str(), type.get(), space.get(), lcpl.get(), dcpl.get(), H5P_DEFAULT),
             fmt::format("create dataset {} in {}", t.name, file_path.string()));
+        // Each run's writeback starts right after it (the address exists once data is written).
+        haddr_t address = HADDR_UNDEF;
         const std::uint64_t hash = detail::write_hashed_runs(
             dataset.get(), type.get(), Box{Shape(piece->extent.size(), 0), piece->extent}, element_size, bytes,
-            /*whole_dataset=*/true, fmt::format("write tensor {} to {}", t.name, file_path.string()));
+            /*whole_dataset=*/true, fmt::format("write tensor {} to {}", t.name, file_path.string()),
+            [&](const Box& run) {
+              if (address == HADDR_UNDEF) address = H5Dget_offset(dataset.get());
+              writeback.start(address, piece->extent, run, element_size);
+            });
         h5::write_attr_string(dataset.get(), "dtype", dtype_name(t.dtype));
         h5::write_attr_u64_array(dataset.get(), "global_shape", t.global_shape, {t.global_shape.size()});
         h5::write_attr_u64_array(dataset.get(), "global_offset", piece->offset, {piece->offset.size()});
