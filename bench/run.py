@@ -568,8 +568,12 @@ MEANING = {
     "ckpt": "Checkpoints of float32 tensors over 4 MPI ranks (`bench/ckpt/ckpt_bench.cpp`, the C++ library), each "
             "run paired with the same data saved by the reference tools (`bench/ckpt_torch_compare.py`: torch.save "
             "per rank, h5py per rank, torch.distributed.checkpoint of torch 1.13) and with the storage limit, in the "
-            "same round, on the same filesystem. Saves are durable (fsync) for every tool; loads read warm page "
-            "cache for every tool. `shared` is a GlusterFS volume of a private testbed, mounted through FUSE.",
+            "same round, on the same filesystem. Saves are durable (fsync) for every tool and are timed after an "
+            "untimed first write of the same memory (on this paravirtualised VM the kernel's first access to each "
+            "fresh page costs a hypervisor fault: a job pays it at its first checkpoint only), each tool starting "
+            "with the earlier outputs deleted and written back; loads read warm page cache into a model's existing "
+            "tensors for every tool (torch.load: with the copy into them, load_state_dict). `shared` is a "
+            "GlusterFS volume of a private testbed, mounted through FUSE.",
     "launcher": "The elastrun agent vs torchrun 1.13 (`/usr/bin/python3 -m torch.distributed.run --redirects 9:0 "
                 "--tee 9:0`) with the same workers (`bench/launcher_bench.py`), alternated. The launcher's own share "
                 "is launch -> every worker process started; the first all-reduce adds `import torch` in the worker, "
