@@ -50,39 +50,40 @@ HostBuffer capsule_buffer(const py::handle& capsule, const std::string& key, std
 
 ckpt::Shape shape_of(const py::handle& sequence) { return sequence.cast<ckpt::Shape>(); }
 
+// Calls make(entry, name, buffer) for each entry (name, capsule, dtype or None, ...) of a list
+// from elastrun/checkpoint.py: the name and the capsule's memory, unpacked once for both kinds.
+template <class Item, class Make>
+std::vector<Item> map_entries(const py::list& entries, Make make) {
+  std::vector<Item> items;
+  items.reserve(entries.size());
+  for (const auto& element : entries) {
+    const auto entry = element.cast<py::tuple>();
+    auto name = entry[0].cast<std::string>();
+    const HostBuffer buffer = capsule_buffer(entry[1], name, dtype_override(entry[2]));
+    items.push_back(make(entry, std::move(name), buffer));
+  }
+  return items;
+}
+
 // Save entries: (name, capsule, dtype or None, global_shape or None, offset or None); a global
 // shape makes the entry this rank's slice of a sharded tensor, otherwise it is replicated.
 std::vector<ckpt::TensorView> views_of(const py::list& entries) {
-  std::vector<ckpt::TensorView> views;
-  views.reserve(entries.size());
-  for (const auto& item : entries) {
-    const auto entry = item.cast<py::tuple>();
-    auto name = entry[0].cast<std::string>();
-    const HostBuffer buffer = capsule_buffer(entry[1], name, dtype_override(entry[2]));
-    if (entry[3].is_none()) {
-      views.push_back(ckpt::TensorView::replicated(std::move(name), buffer.dtype, buffer.shape, buffer.data));
-    } else {
-      views.push_back(ckpt::TensorView::sharded(std::move(name), buffer.dtype, shape_of(entry[3]), shape_of(entry[4]),
-                                                buffer.shape, buffer.data));
-    }
-  }
-  return views;
+  return map_entries<ckpt::TensorView>(entries, [](const py::tuple& entry, std::string name, const HostBuffer& buffer) {
+    if (entry[3].is_none())
+      return ckpt::TensorView::replicated(std::move(name), buffer.dtype, buffer.shape, buffer.data);
+    return ckpt::TensorView::sharded(std::move(name), buffer.dtype, shape_of(entry[3]), shape_of(entry[4]),
+                                     buffer.shape, buffer.data);
+  });
 }
 
 // Restore targets: (name, capsule, dtype or None, offset or None): the box of the global tensor
 // at `offset` (zeros if None) with the capsule's shape, read into the capsule's memory.
 std::vector<ckpt::TensorTarget> targets_of(const py::list& entries) {
-  std::vector<ckpt::TensorTarget> targets;
-  targets.reserve(entries.size());
-  for (const auto& item : entries) {
-    const auto entry = item.cast<py::tuple>();
-    auto name = entry[0].cast<std::string>();
-    const HostBuffer buffer = capsule_buffer(entry[1], name, dtype_override(entry[2]));
-    ckpt::Shape offset = entry[3].is_none() ? ckpt::Shape(buffer.shape.size(), 0) : shape_of(entry[3]);
-    targets.push_back(
-        ckpt::TensorTarget::box(std::move(name), buffer.dtype, std::move(offset), buffer.shape, buffer.data));
-  }
-  return targets;
+  return map_entries<ckpt::TensorTarget>(
+      entries, [](const py::tuple& entry, std::string name, const HostBuffer& buffer) {
+        ckpt::Shape offset = entry[3].is_none() ? ckpt::Shape(buffer.shape.size(), 0) : shape_of(entry[3]);
+        return ckpt::TensorTarget::box(std::move(name), buffer.dtype, std::move(offset), buffer.shape, buffer.data);
+      });
 }
 
 ckpt::SaveOptions save_options(const py::dict& options) {

@@ -51,16 +51,22 @@ void flip_stored_byte(const fs::path& shard, const std::string& dataset_name) {
   ASSERT_TRUE(stream.good());
 }
 
+// The elements of `dataset` as stored (its own type), whatever its layout.
+std::vector<std::byte> stored_bytes(hid_t dataset, hid_t type) {
+  h5::Handle space = h5::make_space(H5Dget_space(dataset), "space");
+  std::vector<std::byte> bytes(H5Sget_simple_extent_npoints(space.get()) * H5Tget_size(type));
+  h5::check(H5Dread(dataset, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()), "read");
+  return bytes;
+}
+
 // XORs the first byte of `dataset_name` through HDF5 (any layout, e.g. chunked).
 void flip_stored_byte_chunked(const fs::path& shard, const std::string& dataset_name) {
   h5::Lock lock(h5::library_mutex());
   h5::Handle file = h5::make_file(H5Fopen(shard.c_str(), H5F_ACC_RDWR, H5P_DEFAULT), "open");
   h5::Handle dataset = h5::make_dataset(H5Dopen2(file.get(), dataset_name.c_str(), H5P_DEFAULT), "open dataset");
-  h5::Handle space = h5::make_space(H5Dget_space(dataset.get()), "space");
   h5::Handle type = h5::make_type(H5Dget_type(dataset.get()), "type");
-  std::vector<std::uint8_t> bytes(H5Sget_simple_extent_npoints(space.get()) * H5Tget_size(type.get()));
-  h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()), "read");
-  bytes[0] ^= 0x5a;
+  std::vector<std::byte> bytes = stored_bytes(dataset.get(), type.get());
+  bytes[0] ^= std::byte{0x5a};
   h5::check(H5Dwrite(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()), "write");
 }
 
@@ -307,8 +313,7 @@ void rechunk_dataset(const fs::path& shard, const std::string& name) {
   h5::Handle space = h5::make_space(H5Dget_space(dataset.get()), "space");
   std::vector<hsize_t> dims(static_cast<std::size_t>(H5Sget_simple_extent_ndims(space.get())));
   H5Sget_simple_extent_dims(space.get(), dims.data(), nullptr);
-  std::vector<std::byte> bytes(H5Sget_simple_extent_npoints(space.get()) * H5Tget_size(type.get()));
-  h5::check(H5Dread(dataset.get(), type.get(), H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes.data()), "read");
+  const std::vector<std::byte> bytes = stored_bytes(dataset.get(), type.get());
   h5::check(H5Lmove(file.get(), name.c_str(), file.get(), (name + ".contiguous").c_str(), H5P_DEFAULT, H5P_DEFAULT),
             "move the contiguous dataset aside");
   h5::Handle dcpl = h5::make_plist(H5Pcreate(H5P_DATASET_CREATE), "dcpl");
