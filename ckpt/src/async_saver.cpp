@@ -75,10 +75,19 @@ void release_child_pages(const TensorView& view) {
   const std::uintptr_t last = end / page * page;
   if (last > first) (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
+
+// The writer thread and the forked child are not the caller's thread (SaveOptions::on_progress).
+SaveOptions without_progress(SaveOptions options) {
+  options.on_progress = nullptr;
+  return options;
+}
 }  // namespace
 
 AsyncSaver::AsyncSaver(std::filesystem::path root, Communicator& comm, SaveOptions options)
-    : root_(std::move(root)), comm_(comm), options_(options), worker_([this](std::stop_token stop) { run(stop); }) {}
+    : root_(std::move(root)),
+      comm_(comm),
+      options_(without_progress(std::move(options))),
+      worker_([this](std::stop_token stop) { run(stop); }) {}
 
 AsyncSaver::~AsyncSaver() {
   std::unique_lock lock(mutex_);

@@ -269,10 +269,12 @@ json write_shared_file(const fs::path& directory, std::uint64_t step, std::span<
         phases.run("shared.write", [&] {
           if (piece) {
             // independent transfers; each run's writeback starts right after it
-            hash = write_hashed_runs(
-                c.dataset.get(), c.type.get(), *piece, element_size, bytes,
-                /*whole_dataset=*/false, fmt::format("write of {} to {}", name, file_path.string()),
-                [&](const Box& run) { writeback.start(c.address, declaration.shape, run, element_size); });
+            hash = write_hashed_runs(c.dataset.get(), c.type.get(), *piece, element_size, bytes,
+                                     /*whole_dataset=*/false,
+                                     fmt::format("write of {} to {}", name, file_path.string()), [&](const Box& run) {
+                                       writeback.start(c.address, declaration.shape, run, element_size);
+                                       if (options.on_progress) options.on_progress();
+                                     });
           }
         });
       }

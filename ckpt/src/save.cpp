@@ -10,7 +10,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "elastrun/control.hpp"  // progress() only (header-only; not a link dependency)
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "h5.hpp"
 #include "internal.hpp"
@@ -139,7 +138,6 @@ std::uint64_t detail::write_hashed_runs(hid_t dataset, hid_t type, const Box& fi
                                         const std::function<void(const Box&)>& after_run) {
   Xxh3Stream stream;
   const std::uint64_t total = element_count(file_box.extent) * element_size;
-  elastrun::control::progress();  // a long save is progress (elastrun --hang-timeout), not a hang
   if (file_box.extent.empty() || (whole_dataset && total <= kWriteChunk)) {  // 0-d, or one run
     stream.update(bytes, total);
     h5::check(H5Dwrite(dataset, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, bytes), what);
@@ -165,7 +163,6 @@ std::uint64_t detail::write_hashed_runs(hid_t dataset, hid_t type, const Box& fi
         h5::Handle memory_space = h5::make_space(H5Screate_simple(1, &elements, nullptr), "create chunk dataspace");
         stream.update(bytes + offset, chunk_bytes);
         h5::check(H5Dwrite(dataset, type, memory_space.get(), file_space.get(), H5P_DEFAULT, bytes + offset), what);
-        elastrun::control::progress();
         if (after_run) after_run(run);
       });
   return stream.digest();
@@ -217,6 +214,7 @@ json detail::write_shard_file(const fs::path& directory, std::uint64_t step, std
             [&](const Box& run) {
               if (address == HADDR_UNDEF) address = H5Dget_offset(dataset.get());
               writeback.start(address, piece->extent, run, element_size);
+              if (options.on_progress) options.on_progress();
             });
         h5::write_attr_string(dataset.get(), "dtype", dtype_name(t.dtype));
         h5::write_attr_u64_array(dataset.get(), "global_shape", t.global_shape, {t.global_shape.size()});

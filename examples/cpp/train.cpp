@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <system_error>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -56,6 +57,7 @@
 #include "elastrun/ckpt/testing.hpp"
 #include "elastrun/ckpt/torch_adapter.hpp"
 #include "elastrun/control.hpp"
+#include "elastrun/worker/events.hpp"
 
 namespace {
 
@@ -98,8 +100,6 @@ int env_int(const char* name) {
   if (!v || !*v) throw std::runtime_error(fmt::format("{} is not set: run this under elastrun (or torchrun)", name));
   return std::stoi(v);
 }
-
-double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -183,43 +183,31 @@ std::string node_name() {
 
 // ---- the event log ($ELASTRUN_EVENTS_FILE) -----------------------------------------------------
 
-// JSON lines appended with O_APPEND, each with one write(2) of < 4 KiB, so lines of several
-// processes (the agents, every worker) never interleave.
+// The worker contract's writer (elastrun/worker/events.hpp, schema v1): lines appended with
+// O_APPEND, each with one write(2), so lines of several processes (the agent, every worker) never
+// interleave. The node and run id come from the agent's environment.
 class EventLog {
  public:
-  explicit EventLog(std::string node) : node_(std::move(node)), run_id_(env_or("TORCHELASTIC_RUN_ID", "")) {
+  // Called once the rank is known, before any thread writes.
+  void open(const std::string& node, int rank) {
     const char* path = std::getenv("ELASTRUN_EVENTS_FILE");
-    if (path && *path) {
-      fd_ = ::open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-      if (fd_ < 0) fmt::print(stderr, "warning: cannot open ELASTRUN_EVENTS_FILE {}: {}\n", path, std::strerror(errno));
+    if (path == nullptr || *path == '\0') return;
+    const char* run_id = std::getenv("TORCHELASTIC_RUN_ID");
+    try {
+      writer_ = elastrun::worker::EventWriter(path, node, run_id ? run_id : "", rank);
+    } catch (const std::system_error& e) {
+      fmt::print(stderr, "warning: cannot open ELASTRUN_EVENTS_FILE: {}\n", e.what());
     }
   }
-  ~EventLog() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  EventLog(const EventLog&) = delete;
-  EventLog& operator=(const EventLog&) = delete;
-  bool enabled() const { return fd_ >= 0; }
-  // One line: time, node, run_id, event, rank, then `fields` (the agent's lines start the same way).
-  void write(const std::string& event, int rank, const nlohmann::ordered_json& fields) {
-    if (fd_ < 0) return;
-    nlohmann::ordered_json line{
-        {"time", unix_now()}, {"node", node_}, {"run_id", run_id_}, {"event", event}, {"rank", rank}};
-    for (const auto& [key, value] : fields.items()) line[key] = value;
-    std::string text = line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
-    if (text.size() >= 4096) return;  // never split a line (our events are far smaller)
-    const ssize_t n = ::write(fd_, text.data(), text.size());
-    if (n != static_cast<ssize_t>(text.size()) && !warned_) {
-      warned_ = true;
-      fmt::print(stderr, "warning: writing ELASTRUN_EVENTS_FILE failed: {}\n",
-                 n < 0 ? std::strerror(errno) : "short write");
-    }
+  bool enabled() const { return writer_.enabled(); }
+  void write(std::string_view event, int /*rank: the writer's*/, const nlohmann::ordered_json& fields) {
+    if (!writer_.write(event, fields) && !warned_.exchange(true))
+      fmt::print(stderr, "warning: writing ELASTRUN_EVENTS_FILE failed: {}\n", std::strerror(errno));
   }
 
  private:
-  std::string node_, run_id_;
-  int fd_ = -1;
-  bool warned_ = false;
+  elastrun::worker::EventWriter writer_;
+  std::atomic<bool> warned_{false};
 };
 
 // ---- the trainer ---------------------------------------------------------------------------------
@@ -237,6 +225,7 @@ class Trainer {
       if (world_ < 1 || rank_ < 0 || rank_ >= world_)
         throw std::runtime_error(fmt::format("RANK {} / WORLD_SIZE {} is not a valid rank", rank_, world_));
     }
+    events_.open(node_, rank_);
     if (world_ > 1) {
       const auto master = env_or("MASTER_ADDR", "127.0.0.1");
       const auto port = static_cast<std::uint16_t>(env_int("MASTER_PORT"));
@@ -443,7 +432,7 @@ class Trainer {
     const double global_loss = tail[0];
     optimizer_step(step + 1);
     next_sample_ += args_.global_batch;
-    control::progress();  // elastrun --hang-timeout: this rank completed a step
+    control::progress(static_cast<std::int64_t>(step + 1));  // elastrun --hang-timeout: this rank completed a step
     return global_loss;
   }
 
@@ -630,7 +619,7 @@ class Trainer {
   double resumed_loss_ = std::nan("");
   std::uint64_t seen_sequence_ = 0;
   Agreed agreed_;
-  EventLog events_{node_};
+  EventLog events_;
   std::mutex log_mutex_;
   const std::string prefix_ = line_prefix();
   std::unique_ptr<elastrun::ckpt::AsyncSaver> saver_;

@@ -42,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import elastrun.checkpoint as checkpoint
 import elastrun.control as control
+import elastrun.events
 from elastrun.data import ElasticSampler
 
 FEATURES = 16
@@ -93,26 +94,6 @@ class SyntheticRegression(Dataset):
         return x, (x @ self.weights + 0.01 * values[FEATURES]).reshape(1)
 
 
-class Events:
-    """$ELASTRUN_EVENTS_FILE: one JSON line per event, appended with one write (never interleaved)."""
-
-    def __init__(self, rank):
-        self.rank = rank
-        self.node = os.environ.get("ELASTRUN_NODE") or socket.gethostname()
-        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-        path = os.environ.get("ELASTRUN_EVENTS_FILE")
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
-
-    def write(self, event, **fields):
-        if self.fd is None:
-            return
-        line = {"time": time.time(), "node": self.node, "run_id": self.run_id, "event": event, "rank": self.rank}
-        line.update(fields)
-        text = json.dumps(line, allow_nan=False, default=str) + "\n"
-        if len(text) < 4096:
-            os.write(self.fd, text.encode())
-
-
 def finite(x):
     return x if math.isfinite(x) else None
 
@@ -124,7 +105,7 @@ class Trainer:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.world > 1:
             dist.init_process_group("gloo")
-        self.events = Events(self.rank)
+        self.events = elastrun.events.Writer.from_environment(self.rank)
         torch.manual_seed(args.seed)  # the same initial model on every rank, whatever the world
         np.random.seed(args.seed)
         random.seed(args.seed)
@@ -238,7 +219,7 @@ class Trainer:
             self.step += 1
             self.next_sample += args.global_batch
             loss_value = loss.item()  # this rank's share; the log shows rank 0's
-            control.progress()  # elastrun --hang-timeout: this rank completed a step
+            control.progress(self.step)  # elastrun --hang-timeout: this rank completed a step
             if args.step_ms:
                 time.sleep(args.step_ms / 1000)
             if self.rank == 0:

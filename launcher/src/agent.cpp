@@ -99,7 +99,7 @@ int Agent::run() {
     }
   }
   if (group_) stop_workers(o_.stop_grace);  // every state stops its workers before Exit; never orphan
-  events_.emit("exit", {{"code", rc_}});
+  events_.emit(contract::event::kExit, {{"code", rc_}});
   const auto& last = rdzv_->current();
   const bool led_last_round = last.group_world_size > 0 && last.group_rank == 0;
   std::vector<std::string> last_members;
@@ -134,14 +134,14 @@ State Agent::rendezvous() {
     if (events_.enabled()) {
       nlohmann::json members = nlohmann::json::array();
       for (const auto& m : r.members()) members.push_back(m.node_name);
-      events_.emit("round", {{"generation", r.generation},
-                             {"world_size", r.world_size},
-                             {"group_rank", r.group_rank},
-                             {"group_world_size", r.group_world_size},
-                             {"members", members},
-                             {"formation_ms", formation_ms},
-                             {"master", fmt::format("{}:{}", r.master_addr, r.master_port)},
-                             {"restart_count", restart_count_}});
+      events_.emit(contract::event::kRound, {{"generation", r.generation},
+                                             {"world_size", r.world_size},
+                                             {"group_rank", r.group_rank},
+                                             {"group_world_size", r.group_world_size},
+                                             {"members", members},
+                                             {"formation_ms", formation_ms},
+                                             {"master", fmt::format("{}:{}", r.master_addr, r.master_port)},
+                                             {"restart_count", restart_count_}});
     }
     log_state("RENDEZVOUS",
               fmt::format("round {} formed in {} ms: group rank {} of {}, ranks {}..{} of {}, master {}:{}",
@@ -199,7 +199,7 @@ State Agent::start_workers() {
   for (auto p : group_->pids()) pids += fmt::format("{}{}", pids.empty() ? "" : ",", p);
   log_state("START_WORKERS", fmt::format("attempt {} restart {}: {} worker(s) pids {} ({})", attempt_, restart_count_,
                                          o_.nproc_per_node, pids, command_path_));
-  events_.emit("workers_started",
+  events_.emit(contract::event::kWorkersStarted,
                {{"attempt", attempt_},
                 {"restart_count", restart_count_},
                 {"ranks", {rdzv_->current().rank_offset, rdzv_->current().rank_offset + o_.nproc_per_node - 1}},
@@ -281,10 +281,10 @@ State Agent::failed() {
       seen.restarts = rdzv_->add_to_counter("restarts", 1);
   }
   Change change = seen.settle_change;
-  events_.emit("failure_decision", {{"action", to_string(action)},
-                                    {"settle_change", to_string(seen.settle_change)},
-                                    {"restarts", seen.restarts.value_or(-1)},
-                                    {"max_restarts", o_.max_restarts}});
+  events_.emit(contract::event::kFailureDecision, {{"action", to_string(action)},
+                                                   {"settle_change", to_string(seen.settle_change)},
+                                                   {"restarts", seen.restarts.value_or(-1)},
+                                                   {"max_restarts", o_.max_restarts}});
   switch (action) {
     case FailedAction::ExitClosed:  // someone gave up: stop, report, exit with the close reason
       break;
@@ -387,7 +387,7 @@ void Agent::open_control_channel(const fs::path& attempt_dir) {
 void Agent::write_control(elastrun::control::Request request) {
   const elastrun::control::Status status{request,
                                          request == elastrun::control::Request::None ? 0 : ++control_sequence_};
-  if (!elastrun::control::write_file(control_path_, status))
+  if (!write_control_file(control_path_, status))
     throw std::system_error(errno, std::generic_category(), "writing the control file " + control_path_);
 }
 
@@ -424,7 +424,8 @@ void Agent::watch_for_hangs() {
       }
       spdlog::warn("pid {}: FileTimer '{}' expired: sending it {}", t.pid, t.scope, signal_name(t.signal));
       killed_by_us_[t.pid] = {fmt::format("its torch FileTimer '{}' expired", t.scope), ""};
-      events_.emit("timer_expired", {{"pid", t.pid}, {"scope", t.scope}, {"signal", signal_name(t.signal)}});
+      events_.emit(contract::event::kTimerExpired,
+                   {{"pid", t.pid}, {"scope", t.scope}, {"signal", signal_name(t.signal)}});
       if (::kill(t.pid, t.signal) != 0 && errno != ESRCH)
         spdlog::warn("warning: kill({}, {}): {}", t.pid, t.signal, std::strerror(errno));
     }
@@ -442,10 +443,11 @@ void Agent::watch_for_hangs() {
       last = static_cast<double>(info.st_mtim.tv_sec) + static_cast<double>(info.st_mtim.tv_nsec) * 1e-9;
     if (!is_hung(last, now, timeout)) continue;
     const int rank = rdzv_->current().rank_offset + static_cast<int>(local);
+    const auto last_step = read_progress_step(progress_file(attempt_dir_, static_cast<int>(local)).string());
     spdlog::warn(
-        "rank {} (pid {}) made no progress for {:.0f} s (--hang-timeout): dumping its stacks, then "
+        "rank {} (pid {}) made no progress for {:.0f} s{} (--hang-timeout): dumping its stacks, then "
         "restarting the group",
-        rank, pid, now - *last);
+        rank, pid, now - *last, last_step ? fmt::format(" after step {}", *last_step) : "");
     std::string stacks = native_stacks(pid, 30);
     // Python workers that called elastrun_control.progress() registered faulthandler on this signal
     const auto python_file = python_stacks_file(attempt_dir_, static_cast<int>(local));
@@ -466,8 +468,11 @@ void Agent::watch_for_hangs() {
     killed_by_us_[pid] = {fmt::format("no progress for {:.0f} s (--hang-timeout {:g}); stacks in {}", now - *last,
                                       timeout, stacks_path.string()),
                           stacks.substr(0, 16384)};
-    events_.emit("hang",
-                 {{"rank", rank}, {"pid", pid}, {"since_progress_s", now - *last}, {"stacks", stacks_path.string()}});
+    events_.emit(contract::event::kHang, {{"rank", rank},
+                                          {"pid", pid},
+                                          {"since_progress_s", now - *last},
+                                          {"last_step", last_step ? nlohmann::json(*last_step) : nlohmann::json()},
+                                          {"stacks", stacks_path.string()}});
     ::kill(-pid, SIGKILL);  // its process group (workers lead their own)
     ::kill(pid, SIGKILL);
     return;  // one at a time: its failure stops and restarts the others
@@ -482,7 +487,7 @@ int Agent::closed_exit(const RendezvousClosed& closed) {
 
 void Agent::log_state(std::string_view name, const std::string& what) {
   spdlog::info("state {}{}{}", name, what.empty() ? "" : " ", what);
-  events_.emit("state", {{"state", name}, {"detail", what}});
+  events_.emit(contract::event::kState, {{"state", name}, {"detail", what}});
 }
 
 // srun's exit code is not the job's outcome when Slurm ended tasks on nodes that left the job (a
@@ -515,23 +520,23 @@ Change Agent::wait_for_change(Millis timeout) {
   const Change change = rdzv_->wait_for_change(timeout);
   if (change == Change::MemberLost && rdzv_->last_loss()) {
     const auto& loss = *rdzv_->last_loss();
-    nlohmann::json fields = {{"member", loss.node_name}, {"how", loss.how}};
+    nlohmann::ordered_json fields = {{"member", loss.node_name}, {"how", loss.how}};
     if (loss.since_heartbeat_ms) fields["since_heartbeat_ms"] = *loss.since_heartbeat_ms;
-    events_.emit("member_lost", fields);
+    events_.emit(contract::event::kMemberLost, fields);
   } else if (change == Change::StoreLost) {
     // the store's host (often group rank 0's node) is gone: its member keys went with it
     const auto& node = rdzv_->store_node().empty() ? plan_.store_host : rdzv_->store_node();
-    events_.emit("store_lost", {{"store_node", node}});
+    events_.emit(contract::event::kStoreLost, {{"store_node", node}});
   }
   return change;
 }
 
 void Agent::record_exit(const WorkerExit& e) {
-  events_.emit("worker_exit", {{"rank", e.global_rank},
-                               {"local_rank", e.local_rank},
-                               {"pid", e.pid},
-                               {"exit_code", e.exit_code},
-                               {"signal", e.signal ? signal_name(e.signal) : ""}});
+  events_.emit(contract::event::kWorkerExit, {{"rank", e.global_rank},
+                                              {"local_rank", e.local_rank},
+                                              {"pid", e.pid},
+                                              {"exit_code", e.exit_code},
+                                              {"signal", e.signal ? signal_name(e.signal) : ""}});
 }
 
 }  // namespace elastrun::launcher

@@ -28,7 +28,7 @@
 #include <string_view>
 #include <vector>
 
-#include "elastrun/control.hpp"
+#include "control_file.hpp"
 #include "elastrun/rdzv/auth.hpp"
 #include "elastrun/rdzv/bootstrap.hpp"
 #include "elastrun/rdzv/env.hpp"

@@ -93,10 +93,10 @@ State Agent::checkpoint_stop() {
   signals_.set_checkpoint_stopping(true);
   const bool channel_read = fs::exists(control_path_ + elastrun::control::kSeenSuffix);
   log_state("CHECKPOINT_STOP", fmt::format("class {}: {}", to_string(stop_class_), stop_reason_));
-  events_.emit("checkpoint_request", {{"kind", "stop"},
-                                      {"class", to_string(stop_class_)},
-                                      {"reason", stop_reason_},
-                                      {"signal", stop_signal_ ? signal_name(stop_signal_) : ""}});
+  events_.emit(contract::event::kCheckpointRequest, {{"kind", "stop"},
+                                                     {"class", to_string(stop_class_)},
+                                                     {"reason", stop_reason_},
+                                                     {"signal", stop_signal_ ? signal_name(stop_signal_) : ""}});
   try {
     nlohmann::json request = {{"class", std::string(to_string(stop_class_))},
                               {"node", plan_.me.node_name},
@@ -161,11 +161,12 @@ State Agent::checkpoint_stop() {
       ++succeeded;
   }
   const int local = o_.nproc_per_node;
-  events_.emit("checkpoint_outcome", {{"kind", "stop"},
-                                      {"checkpointed", checkpointed},
-                                      {"finished", succeeded},
-                                      {"local_workers", local},
-                                      {"complete", checkpointed > 0 && checkpointed + succeeded == local}});
+  events_.emit(contract::event::kCheckpointOutcome,
+               {{"kind", "stop"},
+                {"checkpointed", checkpointed},
+                {"finished", succeeded},
+                {"local_workers", local},
+                {"complete", checkpointed > 0 && checkpointed + succeeded == local}});
   if (succeeded == local) {
     spdlog::info("every local worker finished (exit 0) instead of checkpointing: the job succeeded");
     signals_.set_checkpoint_stopping(false);
@@ -218,7 +219,7 @@ Change Agent::checkpoint_before_scale_up() {
   }
   spdlog::info("scale-up: asked the workers to checkpoint and stop before re-forming (up to {} s)",
                o_.checkpoint_timeout.count() / 1000);
-  events_.emit("checkpoint_request", {{"kind", "scale_up"}, {"reason", "a node waits to join"}});
+  events_.emit(contract::event::kCheckpointRequest, {{"kind", "scale_up"}, {"reason", "a node waits to join"}});
   const auto deadline = Clock::now() + o_.checkpoint_timeout;
   int checkpointed = 0;
   while (true) {
@@ -238,10 +239,10 @@ Change Agent::checkpoint_before_scale_up() {
     }
     if (group_->all_exited()) {
       spdlog::info("scale-up: {} of {} local worker(s) checkpointed", checkpointed, o_.nproc_per_node);
-      events_.emit("checkpoint_outcome", {{"kind", "scale_up"},
-                                          {"checkpointed", checkpointed},
-                                          {"local_workers", o_.nproc_per_node},
-                                          {"complete", checkpointed == o_.nproc_per_node}});
+      events_.emit(contract::event::kCheckpointOutcome, {{"kind", "scale_up"},
+                                                         {"checkpointed", checkpointed},
+                                                         {"local_workers", o_.nproc_per_node},
+                                                         {"complete", checkpointed == o_.nproc_per_node}});
       break;
     }
     if (signals_.stop_signal() || signals_.checkpoint_signal())
@@ -303,10 +304,10 @@ bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& ex
     spdlog::error("error: requeueing the job: {}", e.what());
   }
   requeued_ = requeued;
-  events_.emit("requeue", {{"class", to_string(cls)},
-                           {"signal", signal ? signal_name(signal) : ""},
-                           {"exclude", exclude},
-                           {"requeued", requeued}});
+  events_.emit(contract::event::kRequeue, {{"class", to_string(cls)},
+                                           {"signal", signal ? signal_name(signal) : ""},
+                                           {"exclude", exclude},
+                                           {"requeued", requeued}});
   return requeued;
 }
 
@@ -388,7 +389,7 @@ void Agent::end_job_if_batch_script_lost(const std::vector<std::string>& last_ro
       "with that code",
       job_id, job->batch_host, rc_);
   const auto r = complete_slurm_job(job_id, rc_);
-  events_.emit("job_completed",
+  events_.emit(contract::event::kJobCompleted,
                {{"batch_host", job->batch_host}, {"exit_code", rc_}, {"ok", r.ok}, {"error", r.error}});
   if (!r.ok)
     spdlog::error("error: slurm_complete_job({}): {}; the job stays until its time limit (scancel it)", job_id,

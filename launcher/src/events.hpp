@@ -1,11 +1,10 @@
-// The agent's event log (`--events FILE`): one JSON object per line for everything a timeline or
-// a post-mortem needs — state transitions, rounds, members lost, worker exits, restarts,
-// checkpoint requests and their outcome, requeues. Schema: docs/launcher.md, "Event log".
+// The agent's event log (`--events FILE`, or the job directory's events-<node>.jsonl): one JSON
+// object per line, schema v1 (docs/events.md), for everything a timeline or a post-mortem needs —
+// state transitions, rounds, members lost, worker exits, restarts, checkpoint requests and their
+// outcome, requeues. The line format and the writer are the worker contract's
+// (elastrun/worker/events.hpp): the workers append their own events to the same file.
 //
-// Several processes may append to one file (the agents of one node's log directory, the
-// workers through ELASTRUN_EVENTS_FILE): the file is opened O_APPEND and every line goes out in
-// one write(2), so on a local filesystem lines never interleave. On NFS O_APPEND is not atomic:
-// give each node its own file (the default, events-<node>.jsonl).
+// On NFS O_APPEND is not atomic: give each node its own file (the default, events-<node>.jsonl).
 #pragma once
 
 #include <string>
@@ -13,14 +12,14 @@
 
 #include <nlohmann/json.hpp>
 
-#include "elastrun/util/unique_fd.hpp"
+#include "elastrun/worker/contract.hpp"
+#include "elastrun/worker/events.hpp"
 
 namespace elastrun::launcher {
 
-// {"time": <unix seconds, ms precision>, "node": ..., "run_id": ..., "event": ..., <fields>}
-// without a trailing newline; invalid UTF-8 in a field is replaced, never thrown about.
+// The agent's lines: no rank. See worker::event_line.
 std::string event_line(double unix_seconds, std::string_view node, std::string_view run_id, std::string_view event,
-                       const nlohmann::json& fields);
+                       const nlohmann::ordered_json& fields);
 
 class EventLog {
  public:
@@ -29,15 +28,14 @@ class EventLog {
   // std::system_error naming the path.
   EventLog(const std::string& path, std::string node, std::string run_id);
 
-  bool enabled() const { return static_cast<bool>(fd_); }
-  const std::string& path() const { return path_; }
+  bool enabled() const { return writer_.enabled(); }
+  const std::string& path() const { return writer_.path(); }
 
   // Appends one event; a failed write is logged once as a warning and the job goes on.
-  void emit(std::string_view event, const nlohmann::json& fields = nlohmann::json::object());
+  void emit(std::string_view event, const nlohmann::ordered_json& fields = nlohmann::ordered_json::object());
 
  private:
-  util::UniqueFd fd_;
-  std::string path_, node_, run_id_;
+  worker::EventWriter writer_;
   bool warned_ = false;
 };
 

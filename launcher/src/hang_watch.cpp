@@ -18,6 +18,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "elastrun/util/parse.hpp"
+#include "elastrun/worker/contract.hpp"
+
 namespace elastrun::launcher {
 
 std::optional<TimerRequest> parse_timer_request(std::string_view line) {
@@ -97,6 +100,23 @@ std::vector<ExpiredTimer> FileTimerServer::poll(double now) {
   }
   partial_.erase(0, start);
   return table_.take_expired(now);
+}
+
+std::optional<long> parse_progress_record(std::string_view record) {
+  while (!record.empty() && (record.front() == ' ')) record.remove_prefix(1);
+  while (!record.empty() && (record.back() == '\n' || record.back() == '\0')) record.remove_suffix(1);
+  const auto step = util::parse_integer<long>(record);
+  if (!step || *step < 0) return std::nullopt;
+  return step;
+}
+
+std::optional<long> read_progress_step(const std::string& path) {
+  util::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd) return std::nullopt;
+  char record[contract::kProgressRecordSize];
+  const auto n = ::pread(fd.get(), record, sizeof record, 0);
+  if (n <= 0) return std::nullopt;
+  return parse_progress_record(std::string_view(record, static_cast<std::size_t>(n)));
 }
 
 bool is_hung(std::optional<double> last_progress, double now, double timeout_seconds) {

@@ -74,6 +74,12 @@ class FileTimerServer {
 // last report is older than the timeout.
 bool is_hung(std::optional<double> last_progress, double now, double timeout_seconds);
 
+// The step a worker last reported with progress(step) (the record of the worker contract,
+// contract::kProgressRecordFormat); nullopt when it reported none or the file is unreadable.
+std::optional<long> read_progress_step(const std::string& path);
+// Parses one progress record; nullopt unless it holds a step >= 0.
+std::optional<long> parse_progress_record(std::string_view record);
+
 // Native stacks of every thread of `pid` with gdb (when installed; bounded by timeout_seconds),
 // else what /proc tells (state, wchan, syscall, kernel stack when readable). Never throws.
 std::string native_stacks(pid_t pid, int timeout_seconds);

@@ -8,11 +8,13 @@
 #include <fmt/format.h>
 
 #include "elastrun/control.hpp"
+#include "elastrun/worker/contract.hpp"
 #include "elastrun/util/parse.hpp"
 
 namespace elastrun::launcher {
 
 namespace fs = std::filesystem;
+namespace env_name = contract::env;
 
 namespace {
 std::string replace_all(std::string text, std::string_view from, const auto& to) {
@@ -75,32 +77,7 @@ std::vector<std::vector<int>> read_numa_nodes(const fs::path& root) {
 }
 
 const std::vector<std::string>& worker_variable_names() {
-  static const std::vector<std::string> names = {"RANK",
-                                                 "LOCAL_RANK",
-                                                 "GROUP_RANK",
-                                                 "ROLE_RANK",
-                                                 "ROLE_NAME",
-                                                 "LOCAL_WORLD_SIZE",
-                                                 "WORLD_SIZE",
-                                                 "GROUP_WORLD_SIZE",
-                                                 "ROLE_WORLD_SIZE",
-                                                 "MASTER_ADDR",
-                                                 "MASTER_PORT",
-                                                 "TORCHELASTIC_RESTART_COUNT",
-                                                 "TORCHELASTIC_MAX_RESTARTS",
-                                                 "TORCHELASTIC_RUN_ID",
-                                                 "ELASTRUN_AGENT_TAG",
-                                                 "ELASTRUN_PROGRESS_FILE",
-                                                 "ELASTRUN_STACKS_FILE",
-                                                 "ELASTRUN_STACKS_SIGNAL",
-                                                 "TORCHELASTIC_ERROR_FILE",
-                                                 "TORCHELASTIC_USE_AGENT_STORE",
-                                                 "ELASTRUN_GENERATION",
-                                                 "ELASTRUN_NODE",
-                                                 "NODE_RANK",
-                                                 "ELASTRUN_CONTROL_FILE",
-                                                 "ELASTRUN_CHECKPOINT_DIR",
-                                                 "ELASTRUN_CHECKPOINTED_EXIT_CODE"};
+  static const std::vector<std::string> names(contract::env::kReplaced.begin(), contract::env::kReplaced.end());
   return names;
 }
 
@@ -121,8 +98,9 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   const auto& r = a.round;
   std::vector<std::string> env;
   auto set = [&](std::string_view key, const auto& value) { env.push_back(fmt::format("{}={}", key, value)); };
-  set("RANK", r.rank_offset + local);
-  set("LOCAL_RANK", o.virtual_local_rank ? 0 : local);
+  set(env_name::kNodeRank, r.group_rank);  // torch.distributed.launch's name for GROUP_RANK
+  set(env_name::kRank, r.rank_offset + local);
+  set(env_name::kLocalRank, o.virtual_local_rank ? 0 : local);
   if (o.virtual_local_rank) {
     // torchrun's --virtual-local-rank: each worker sees only its own device, as device 0
     std::string visible;
@@ -141,38 +119,38 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
       set("CUDA_VISIBLE_DEVICES", devices[static_cast<std::size_t>(local)]);
     }
   }
-  set("GROUP_RANK", r.group_rank);
-  set("ROLE_RANK", r.role_rank_offset + local);
-  set("ROLE_NAME", o.role);
-  set("LOCAL_WORLD_SIZE", o.nproc_per_node);
-  set("WORLD_SIZE", r.world_size);
-  set("GROUP_WORLD_SIZE", r.group_world_size);
-  set("ROLE_WORLD_SIZE", r.role_world_size);
-  set("MASTER_ADDR", r.master_addr);
+  set(env_name::kGroupRank, r.group_rank);
+  set(env_name::kRoleRank, r.role_rank_offset + local);
+  set(env_name::kRoleName, o.role);
+  set(env_name::kLocalWorldSize, o.nproc_per_node);
+  set(env_name::kWorldSize, r.world_size);
+  set(env_name::kGroupWorldSize, r.group_world_size);
+  set(env_name::kRoleWorldSize, r.role_world_size);
+  set(env_name::kMasterAddr, r.master_addr);
   // the static form keeps the user's port for the workers (Options::static_form)
-  set("MASTER_PORT", o.static_form() ? o.static_master_port() : r.master_port);
-  set("TORCHELASTIC_RESTART_COUNT", a.restart_count);
-  set("TORCHELASTIC_MAX_RESTARTS", o.max_restarts);
-  set("TORCHELASTIC_RUN_ID", a.run_id);
-  set("TORCHELASTIC_ERROR_FILE", error_file);
-  set("TORCHELASTIC_USE_AGENT_STORE", "False");
-  set("ELASTRUN_GENERATION", r.generation);
-  set("ELASTRUN_NODE", a.node_name);
-  set("ELASTRUN_CONTROL_FILE", a.control_file);
-  set("ELASTRUN_CHECKPOINTED_EXIT_CODE", elastrun::control::kCheckpointedExitCode);
-  if (!o.checkpoint_dir.empty()) set("ELASTRUN_CHECKPOINT_DIR", o.checkpoint_dir);
+  set(env_name::kMasterPort, o.static_form() ? o.static_master_port() : r.master_port);
+  set(env_name::kRestartCount, a.restart_count);
+  set(env_name::kMaxRestarts, o.max_restarts);
+  set(env_name::kRunId, a.run_id);
+  set(env_name::kErrorFile, error_file);
+  set(env_name::kUseAgentStore, "False");
+  set(env_name::kGeneration, r.generation);
+  set(env_name::kNode, a.node_name);
+  set(env_name::kControlFile, a.control_file);
+  set(env_name::kCheckpointedExitCodeVar, elastrun::control::kCheckpointedExitCode);
+  if (!o.checkpoint_dir.empty()) set(env_name::kCheckpointDir, o.checkpoint_dir);
   if (!a.agent_tag.empty()) env.push_back(a.agent_tag);
   // (an inherited TORCHELASTIC_TIMER_FILE is the same path: the agent created the FIFO there)
   if (!a.timer_file.empty() && std::none_of(inherited.begin(), inherited.end(), [](const std::string& kv) {
         return kv.starts_with("TORCHELASTIC_TIMER_FILE=");
       }))
-    set("TORCHELASTIC_TIMER_FILE", a.timer_file);
+    set(env_name::kTimerFile, a.timer_file);
   if (o.hang_timeout.count() > 0) {
-    set("ELASTRUN_PROGRESS_FILE", progress_file(a.attempt_dir, local).string());
-    set("ELASTRUN_STACKS_FILE", python_stacks_file(a.attempt_dir, local).string());
-    set("ELASTRUN_STACKS_SIGNAL", python_stacks_signal());
+    set(env_name::kProgressFile, progress_file(a.attempt_dir, local).string());
+    set(env_name::kStacksFile, python_stacks_file(a.attempt_dir, local).string());
+    set(env_name::kStacksSignal, python_stacks_signal());
   }  // the watchdog finds the workers' descendants by it
-  if (!a.events_file.empty()) set("ELASTRUN_EVENTS_FILE", a.events_file);
+  if (!a.events_file.empty()) set(env_name::kEventsFile, a.events_file);
   const bool omp_set = std::any_of(inherited.begin(), inherited.end(),
                                    [](const std::string& kv) { return kv.starts_with("OMP_NUM_THREADS="); });
   if (!omp_set && o.nproc_per_node > 1) set("OMP_NUM_THREADS", 1);

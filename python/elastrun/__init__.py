@@ -4,6 +4,7 @@
                           restore at any world size, async save, integrity checks)
     elastrun.control      the agent's control channel (checkpoint-and-stop on Slurm's signals)
     elastrun.data         ElasticSampler: exactly-once data order whatever the world size
+    elastrun.events       event logs, schema v1: the writer, the reader and the job's timeline
 
 Submodules load on first use, so ``import elastrun`` stays cheap (no torch, no HDF5).
 Guide: docs/python.md. The launcher itself is the ``elastrun`` command.
@@ -13,11 +14,11 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["checkpoint", "control", "data", "__version__"]
+__all__ = ["checkpoint", "control", "data", "events", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("checkpoint", "control", "data"):
+    if name in ("checkpoint", "control", "data", "events"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'elastrun' has no attribute '{name}'")
 

@@ -22,20 +22,20 @@ import signal
 import sys
 from typing import Any, Optional
 
+from elastrun import _contract as _c
+
 __all__ = ["CHECKPOINTED_EXIT_CODE", "NONE", "CHECKPOINT", "CHECKPOINT_AND_STOP", "Status", "Channel",
            "parse", "write_file", "poll", "poll_all", "install_signal_handlers", "signal_received",
-           "checkpoint_dir"]
+           "checkpoint_dir", "progress"]
 
 # 85: not 0-2, not sysexits.h (64-78), not 126/127 (shell), not 128+N (signals).
-CHECKPOINTED_EXIT_CODE = 85
-CONTROL_FILE_ENV = "ELASTRUN_CONTROL_FILE"
-CHECKPOINT_DIR_ENV = "ELASTRUN_CHECKPOINT_DIR"
-SEEN_SUFFIX = ".seen"
+CHECKPOINTED_EXIT_CODE = _c.CHECKPOINTED_EXIT_CODE
+CONTROL_FILE_ENV = _c.ENV_CONTROL_FILE
+CHECKPOINT_DIR_ENV = _c.ENV_CHECKPOINT_DIR
+SEEN_SUFFIX = _c.CONTROL_SEEN_SUFFIX
 
-NONE = "none"
-CHECKPOINT = "checkpoint"
-CHECKPOINT_AND_STOP = "checkpoint-and-stop"
-_LEVEL = {NONE: 0, CHECKPOINT: 1, CHECKPOINT_AND_STOP: 2}
+NONE, CHECKPOINT, CHECKPOINT_AND_STOP = _c.CONTROL_REQUESTS
+_LEVEL = {name: level for level, name in enumerate(_c.CONTROL_REQUESTS)}
 
 
 class Status:
@@ -177,26 +177,33 @@ def checkpoint_dir() -> str:
     return os.environ.get(CHECKPOINT_DIR_ENV, "")
 
 
+_progress_fd = None
 _stacks_file = None
 
 
-def progress() -> None:
-    """Tells the agent this worker made progress (elastrun --hang-timeout): call it once per step.
+def progress(step: Optional[int] = None) -> None:
+    """Tells the agent this worker made progress (elastrun --hang-timeout): call it once per step,
+    with the step number.
 
-    One utime() on $ELASTRUN_PROGRESS_FILE; nothing when the agent does not watch. The first call
-    also lets the agent dump this process's Python stacks should it hang: faulthandler writes them
-    to $ELASTRUN_STACKS_FILE on the signal $ELASTRUN_STACKS_SIGNAL.
+    Writes the worker contract's fixed-size record (the same as C++ elastrun::control::progress)
+    at the start of $ELASTRUN_PROGRESS_FILE: the agent reads the step from it, and the file's
+    modification time is the time of the last progress. Without a step only the time changes.
+    Nothing when the agent does not watch. The first call also lets the agent dump this process's
+    Python stacks should it hang: faulthandler writes them to $ELASTRUN_STACKS_FILE on the signal
+    $ELASTRUN_STACKS_SIGNAL (the C++ side has no Python stacks to dump).
     """
-    global _stacks_file
-    path = os.environ.get("ELASTRUN_PROGRESS_FILE")
-    if not path:
-        return
-    if _stacks_file is None and os.environ.get("ELASTRUN_STACKS_FILE"):
-        import faulthandler
-        _stacks_file = open(os.environ["ELASTRUN_STACKS_FILE"], "w")
-        faulthandler.register(int(os.environ.get("ELASTRUN_STACKS_SIGNAL", "0")) or signal.SIGRTMIN + 4,
-                              file=_stacks_file, all_threads=True)
-    try:
-        os.utime(path)
-    except FileNotFoundError:
-        open(path, "a").close()
+    global _progress_fd, _stacks_file
+    if _progress_fd is None:
+        path = os.environ.get(_c.ENV_PROGRESS_FILE)
+        if not path:
+            return
+        _progress_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if _stacks_file is None and os.environ.get(_c.ENV_STACKS_FILE):
+            import faulthandler
+            _stacks_file = open(os.environ[_c.ENV_STACKS_FILE], "w")
+            faulthandler.register(int(os.environ.get(_c.ENV_STACKS_SIGNAL, "0")) or signal.SIGRTMIN + 4,
+                                  file=_stacks_file, all_threads=True)
+    if step is None:
+        os.utime(_progress_fd)
+    else:
+        os.pwrite(_progress_fd, (_c.PROGRESS_RECORD_FORMAT % int(step)).encode(), 0)

@@ -11,6 +11,7 @@
 #include "dlpack_buffer.hpp"
 #include "elastrun/ckpt/async_saver.hpp"
 #include "elastrun/ckpt/checkpoint.hpp"
+#include "elastrun/control.hpp"
 #include "python_store.hpp"
 
 namespace py = pybind11;
@@ -243,7 +244,8 @@ PYBIND11_MODULE(_core, m) {
          const py::dict& options) {
         const auto views = views_of(entries);
         const json parsed = parse_metadata(metadata);
-        const auto o = save_options(options);
+        auto o = save_options(options);
+        o.on_progress = [] { elastrun::control::progress(); };  // a long save is not a hang (--hang-timeout)
         ckpt::SaveResult result;
         {
           py::gil_scoped_release release;

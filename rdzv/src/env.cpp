@@ -1,6 +1,7 @@
 // Environment detection: Slurm (incl. heterogeneous steps), Open MPI, PMIx, PMI2, torchrun.
 #include "elastrun/rdzv/env.hpp"
 #include "elastrun/util/parse.hpp"
+#include "elastrun/worker/contract.hpp"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 extern char** environ;
 
 namespace elastrun::rdzv {
+namespace torch_var = contract::env;  // the torch variables: the worker contract's names
 namespace {
 
 template <typename... Args>
@@ -285,8 +287,8 @@ const MpiEnv* find_mpi(const std::vector<MpiEnv>& mpi, std::string_view kind) {
 // ---- torchrun ------------------------------------------------------------------------------
 
 std::optional<TorchEnv> detect_torch(const EnvMap& env) {
-  auto rank = int_var(env, "RANK");
-  auto world = int_var(env, "WORLD_SIZE");
+  auto rank = int_var(env, torch_var::kRank);
+  auto world = int_var(env, torch_var::kWorldSize);
   if (!rank && !world) return std::nullopt;
   if (!rank || !world)
     fail("{} is set but {} is not; set both (torch.distributed env:// needs them) or neither",
@@ -294,18 +296,18 @@ std::optional<TorchEnv> detect_torch(const EnvMap& env) {
   TorchEnv t;
   t.rank = *rank;
   t.world_size = *world;
-  require_below("RANK", t.rank, "WORLD_SIZE", t.world_size, "fix or unset RANK/WORLD_SIZE");
-  t.local_rank = int_var(env, "LOCAL_RANK");
-  t.local_world_size = int_var(env, "LOCAL_WORLD_SIZE");
+  require_below(torch_var::kRank, t.rank, torch_var::kWorldSize, t.world_size, "fix or unset RANK/WORLD_SIZE");
+  t.local_rank = int_var(env, torch_var::kLocalRank);
+  t.local_world_size = int_var(env, torch_var::kLocalWorldSize);
   if (t.local_rank && t.local_world_size)
-    require_below("LOCAL_RANK", *t.local_rank, "LOCAL_WORLD_SIZE", *t.local_world_size,
+    require_below(torch_var::kLocalRank, *t.local_rank, torch_var::kLocalWorldSize, *t.local_world_size,
                   "fix or unset LOCAL_RANK/LOCAL_WORLD_SIZE");
-  t.group_rank = int_var_any(env, {"GROUP_RANK", "NODE_RANK"});
-  if (auto v = lookup(env, "MASTER_ADDR")) t.master_addr = std::string(*v);
-  t.master_port = int_var(env, "MASTER_PORT");
+  t.group_rank = int_var_any(env, {torch_var::kGroupRank, torch_var::kNodeRank});
+  if (auto v = lookup(env, torch_var::kMasterAddr)) t.master_addr = std::string(*v);
+  t.master_port = int_var(env, torch_var::kMasterPort);
   if (t.master_port && (*t.master_port == 0 || *t.master_port > 65535))
     fail("MASTER_PORT={} is not a TCP port (1-65535); fix or unset it", *t.master_port);
-  if (auto v = lookup(env, "TORCHELASTIC_RUN_ID")) t.run_id = std::string(*v);
+  if (auto v = lookup(env, torch_var::kRunId)) t.run_id = std::string(*v);
   return t;
 }
 
@@ -456,7 +458,7 @@ DetectedEnv detect_environment(const EnvMap& env, const HostlistExpander& expand
                    .local_rank = t.local_rank.value_or(0),
                    .local_world_size = t.local_world_size.value_or(1),
                    .node_rank = t.group_rank.value_or(0),
-                   .num_nodes = int_var(env, "GROUP_WORLD_SIZE").value_or(1)};
+                   .num_nodes = int_var(env, torch_var::kGroupWorldSize).value_or(1)};
   } else if (const auto* ompi = find_mpi(d.mpi, "openmpi")) {
     Placement p;
     p.source = RankSource::OpenMPI;

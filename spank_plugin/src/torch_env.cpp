@@ -2,24 +2,12 @@
 
 #include <fmt/format.h>
 
+#include "elastrun/worker/contract.hpp"
+
 namespace elastrun::spank {
 
 const std::vector<std::string>& torch_variable_names() {
-  static const std::vector<std::string> names = {"RANK",
-                                                 "LOCAL_RANK",
-                                                 "WORLD_SIZE",
-                                                 "LOCAL_WORLD_SIZE",
-                                                 "GROUP_RANK",
-                                                 "NODE_RANK",
-                                                 "GROUP_WORLD_SIZE",
-                                                 "ROLE_RANK",
-                                                 "ROLE_NAME",
-                                                 "ROLE_WORLD_SIZE",
-                                                 "MASTER_ADDR",
-                                                 "MASTER_PORT",
-                                                 "TORCHELASTIC_RUN_ID",
-                                                 "TORCHELASTIC_RESTART_COUNT",
-                                                 "TORCHELASTIC_MAX_RESTARTS"};
+  static const std::vector<std::string> names(contract::env::kTorch.begin(), contract::env::kTorch.end());
   return names;
 }
 
@@ -58,21 +46,21 @@ EnvVars torch_environment(const rdzv::DetectedEnv& task, const std::string& mast
   const auto& endpoint = *task.rdzv_endpoint;
   auto str = [](int v) { return std::to_string(v); };
   return {
-      {"RANK", str(p.rank)},
-      {"LOCAL_RANK", str(p.local_rank)},
-      {"WORLD_SIZE", str(p.world_size)},
-      {"LOCAL_WORLD_SIZE", str(p.local_world_size)},
-      {"GROUP_RANK", str(p.node_rank)},
-      {"NODE_RANK", str(p.node_rank)},
-      {"GROUP_WORLD_SIZE", str(p.num_nodes)},
-      {"ROLE_RANK", str(p.rank)},
-      {"ROLE_NAME", "default"},
-      {"ROLE_WORLD_SIZE", str(p.world_size)},
-      {"MASTER_ADDR", master_addr},
-      {"MASTER_PORT", std::to_string(endpoint.port)},
-      {"TORCHELASTIC_RUN_ID", run_id(task, mode)},
-      {"TORCHELASTIC_RESTART_COUNT", "0"},
-      {"TORCHELASTIC_MAX_RESTARTS", "0"},
+      {std::string(contract::env::kRank), str(p.rank)},
+      {std::string(contract::env::kLocalRank), str(p.local_rank)},
+      {std::string(contract::env::kWorldSize), str(p.world_size)},
+      {std::string(contract::env::kLocalWorldSize), str(p.local_world_size)},
+      {std::string(contract::env::kGroupRank), str(p.node_rank)},
+      {std::string(contract::env::kNodeRank), str(p.node_rank)},
+      {std::string(contract::env::kGroupWorldSize), str(p.num_nodes)},
+      {std::string(contract::env::kRoleRank), str(p.rank)},
+      {std::string(contract::env::kRoleName), "default"},
+      {std::string(contract::env::kRoleWorldSize), str(p.world_size)},
+      {std::string(contract::env::kMasterAddr), master_addr},
+      {std::string(contract::env::kMasterPort), std::to_string(endpoint.port)},
+      {std::string(contract::env::kRunId), run_id(task, mode)},
+      {std::string(contract::env::kRestartCount), "0"},
+      {std::string(contract::env::kMaxRestarts), "0"},
   };
 }
 

@@ -34,7 +34,8 @@ ELASTRUN_EVENTS_FILE=$out/a.events timeout 120 "$train" "${steps[@]}" --ckpt-dir
 grep -q "^\[rank 0\] final loss [0-9]" "$out/a.log" || fail "A printed no final loss"
 /usr/bin/python3 - "$out/a.events" "$out/a.log" <<'PY' || fail "A's events"
 import json, re, sys
-events = [json.loads(line) for line in open(sys.argv[1])]
+import elastrun.events
+events = elastrun.events.read([sys.argv[1]])  # schema v1, time order
 saved = [e for e in events if e["event"] == "checkpoint_saved"]
 assert [e["step"] for e in saved] == list(range(5, 41, 5)), saved
 for e in saved:
@@ -59,7 +60,8 @@ grep -q "\[rank 0\] done: 40 steps" "$out/b.log" || fail "B did not finish"
 if ((${#bargs[@]})); then
   /usr/bin/python3 - "$out/b.events" <<'PY' || fail "B's events"
 import json, sys
-events = [json.loads(line) for line in open(sys.argv[1])]
+import elastrun.events
+events = elastrun.events.read([sys.argv[1]])  # schema v1, time order
 resumed = [e for e in events if e["event"] == "resumed"]
 assert len(resumed) == 1 and resumed[0]["step"] in (10, 15) and resumed[0]["world_size"] == 3, resumed
 ranks = {e["rank"] for e in events if e["event"] == "checkpoint_saved" and e["step"] == 40}

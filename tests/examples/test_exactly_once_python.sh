@@ -34,7 +34,8 @@ ELASTRUN_EVENTS_FILE=$out/a.events timeout 300 /usr/bin/python3 "$train" "${step
   >"$out/a.log" 2>&1 || fail "A exited $?"
 /usr/bin/python3 - "$out/a.events" <<'PY' || fail "A's events"
 import json, sys
-events = [json.loads(line) for line in open(sys.argv[1])]
+import elastrun.events
+events = elastrun.events.read([sys.argv[1]])  # schema v1, time order
 saved = [e for e in events if e["event"] == "checkpoint_saved"]
 assert [e["step"] for e in saved] == list(range(5, 31, 5)), saved
 assert all(e["bytes"] > 0 and 0 <= e["blocked_s"] <= e["durable_s"] for e in saved), saved

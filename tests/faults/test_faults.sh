@@ -101,9 +101,10 @@ job_ended() { [[ $(job_state) == @(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|
 
 # the newest step rank 0 reported (0 before the first)
 progress() {
-  cat "$out"/logs/events-*.jsonl 2>/dev/null | /usr/bin/python3 -c '
-import json, sys
-print(max((e["step"] for e in map(json.loads, sys.stdin) if e.get("event") == "step"), default=0))'
+  /usr/bin/python3 -c '
+import glob, sys, elastrun.events as ev
+events = ev.read(glob.glob(sys.argv[1] + "/events-*.jsonl"), warn=lambda _: None)  # lines still being written
+print(max((e["step"] for e in events if e["event"] == "step"), default=0))' "$out/logs"
 }
 past_step() { (($(progress) >= $1)); }
 # wait_past_step N: until rank 0 has done N steps (fails if the job ends first)
@@ -118,9 +119,9 @@ wait_past_step() {
 
 # the event logs as one JSON array, in time order
 events_json() {
-  cat "$out"/logs/events-*.jsonl | /usr/bin/python3 -c '
-import json, sys
-print(json.dumps(sorted(map(json.loads, sys.stdin), key=lambda e: e["time"])))'
+  /usr/bin/python3 -c '
+import json, sys, elastrun.events as ev
+print(json.dumps(ev.read(sys.argv[1:])))' "$out"/logs/events-*.jsonl
 }
 
 # check_promise EXPECT_PY: the five points; EXPECT_PY is Python over `events` (a list, in time
@@ -221,10 +222,11 @@ assert len({e["member"] for e in events if e["event"] == "member_lost"}) == 1, "
 spare)
   submit 4 spares.sbatch SPARES=1 -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150
   wait_past_step 12
-  victim=$(cat "$out"/logs/events-*.jsonl | /usr/bin/python3 -c '
-import json, sys
-first = next(e for e in map(json.loads, sys.stdin) if e["event"] == "round")
-print(next(m for m in first["members"] if m != "n1"))')
+  victim=$(/usr/bin/python3 -c '
+import glob, sys, elastrun.events as ev
+events = ev.read(glob.glob(sys.argv[1] + "/events-*.jsonl"), warn=lambda _: None)
+first = next(e for e in events if e["event"] == "round")
+print(next(m for m in first["members"] if m != "n1"))' "$out/logs")
   echo "killing $victim, a training node other than n1"
   "$TB" kill-node "$victim"
   check_promise "
@@ -280,9 +282,10 @@ resize_requeue)
   wait_past_step 8
   "$TB" kill-node n3
   world3() {
-    cat "$out"/logs/events-*.jsonl | /usr/bin/python3 -c '
-import json, sys
-sys.exit(0 if any(e["event"] == "round" and e["world_size"] == 3 for e in map(json.loads, sys.stdin)) else 1)'
+    /usr/bin/python3 -c '
+import glob, sys, elastrun.events as ev
+events = ev.read(glob.glob(sys.argv[1] + "/events-*.jsonl"), warn=lambda _: None)
+sys.exit(0 if any(e["event"] == "round" and e["world_size"] == 3 for e in events) else 1)' "$out/logs"
   }
   wait_for -i 0.2 120 world3 || fail "no round of world 3 after kill-node n3"
   wait_past_step 20

@@ -1,5 +1,6 @@
-// The control channel's C++ API (launcher/include/elastrun/control.hpp): the file format, atomic
-// replacement, change detection by poll(), the "seen" marker, and the signal handlers.
+// The control channel: the worker's reader (worker/include/elastrun/control.hpp) against the
+// agent's writer (launcher/src/control_file.hpp) — the file format, atomic replacement, change
+// detection by poll(), the "seen" marker, the signal handlers, and progress(step)'s record.
 #include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -10,7 +11,9 @@
 
 #include <gtest/gtest.h>
 
+#include "control_file.hpp"
 #include "elastrun/control.hpp"
+#include "hang_watch.hpp"
 
 namespace control = elastrun::control;
 namespace fs = std::filesystem;
@@ -39,12 +42,12 @@ class TempDir {
 TEST(Control, ParseAndFormatRoundTrip) {
   for (auto request : {control::Request::None, control::Request::Checkpoint, control::Request::CheckpointAndStop}) {
     const control::Status s{request, 42};
-    auto back = control::parse(control::format(s));
+    auto back = control::parse(elastrun::launcher::control_line(s));
     ASSERT_TRUE(back.has_value());
     EXPECT_EQ(back->request, request);
     EXPECT_EQ(back->sequence, 42u);
   }
-  EXPECT_EQ(control::format({control::Request::CheckpointAndStop, 3}), "3 checkpoint-and-stop\n");
+  EXPECT_EQ(elastrun::launcher::control_line({control::Request::CheckpointAndStop, 3}), "3 checkpoint-and-stop\n");
 }
 
 TEST(Control, ParseRejectsMalformed) {
@@ -68,14 +71,14 @@ TEST(Control, PollSeesEveryAtomicReplacement) {
   EXPECT_EQ(channel.poll().request, control::Request::None);  // no file yet: the initial state
   EXPECT_TRUE(fs::exists(path + control::kSeenSuffix)) << "first poll() must leave the .seen marker";
 
-  ASSERT_TRUE(control::write_file(path, {control::Request::None, 0}));
+  ASSERT_TRUE(elastrun::launcher::write_control_file(path, {control::Request::None, 0}));
   EXPECT_EQ(channel.poll().sequence, 0u);
-  ASSERT_TRUE(control::write_file(path, {control::Request::Checkpoint, 1}));
+  ASSERT_TRUE(elastrun::launcher::write_control_file(path, {control::Request::Checkpoint, 1}));
   auto s = channel.poll();
   EXPECT_EQ(s.request, control::Request::Checkpoint);
   EXPECT_EQ(s.sequence, 1u);
   EXPECT_EQ(channel.poll().sequence, 1u);  // unchanged file: same answer
-  ASSERT_TRUE(control::write_file(path, {control::Request::CheckpointAndStop, 2}));
+  ASSERT_TRUE(elastrun::launcher::write_control_file(path, {control::Request::CheckpointAndStop, 2}));
   s = channel.poll();
   EXPECT_TRUE(s.stop());
   EXPECT_EQ(s.sequence, 2u);
@@ -89,13 +92,13 @@ TEST(Control, MalformedOrMissingFileKeepsLastState) {
   TempDir dir;
   const std::string path = (dir.path() / "control").string();
   control::Channel channel(path);
-  ASSERT_TRUE(control::write_file(path, {control::Request::Checkpoint, 5}));
+  ASSERT_TRUE(elastrun::launcher::write_control_file(path, {control::Request::Checkpoint, 5}));
   EXPECT_EQ(channel.poll().sequence, 5u);
   std::ofstream(path) << "garbage that is not a request\n";
   EXPECT_EQ(channel.poll().sequence, 5u);
   fs::remove(path);
   EXPECT_EQ(channel.poll().request, control::Request::Checkpoint);
-  ASSERT_TRUE(control::write_file(path, {control::Request::CheckpointAndStop, 6}));
+  ASSERT_TRUE(elastrun::launcher::write_control_file(path, {control::Request::CheckpointAndStop, 6}));
   EXPECT_TRUE(channel.poll().stop());
 }
 
@@ -113,7 +116,7 @@ TEST(Control, ChannelFromEnvironment) {
   ::setenv(control::kCheckpointDirEnv, "/ckpt/dir", 1);
   control::Channel channel;
   EXPECT_EQ(channel.path(), path);
-  ASSERT_TRUE(control::write_file(path, {control::Request::CheckpointAndStop, 1}));
+  ASSERT_TRUE(elastrun::launcher::write_control_file(path, {control::Request::CheckpointAndStop, 1}));
   EXPECT_TRUE(channel.poll().stop());
   EXPECT_EQ(control::checkpoint_dir(), "/ckpt/dir");
   ::unsetenv(control::kControlFileEnv);
@@ -131,3 +134,26 @@ TEST(Control, SignalHandlersTurnSignalsIntoStopRequests) {
   dfl.sa_handler = SIG_DFL;
   for (int sig : {SIGUSR1, SIGUSR2, SIGTERM}) ::sigaction(sig, &dfl, nullptr);
 }
+
+namespace {
+
+// progress(step) is the worker's half of the hang watch: the agent reads the step back.
+TEST(Progress, StepRecordReadByTheAgent) {
+  TempDir dir;
+  const auto path = (dir.path() / "progress").string();
+  ASSERT_EQ(::setenv("ELASTRUN_PROGRESS_FILE", path.c_str(), 1), 0);
+  EXPECT_FALSE(elastrun::launcher::read_progress_step(path).has_value());  // no file yet
+  control::progress();                                                     // without a step: the file exists, no step
+  EXPECT_TRUE(fs::exists(path));
+  EXPECT_FALSE(elastrun::launcher::read_progress_step(path).has_value());
+  control::progress(7);
+  EXPECT_EQ(elastrun::launcher::read_progress_step(path), 7);
+  control::progress(123456789012);
+  EXPECT_EQ(elastrun::launcher::read_progress_step(path), 123456789012);
+  control::progress();  // keeps the step
+  EXPECT_EQ(elastrun::launcher::read_progress_step(path), 123456789012);
+  EXPECT_EQ(fs::file_size(path), elastrun::contract::kProgressRecordSize);
+  EXPECT_FALSE(elastrun::launcher::parse_progress_record("garbage").has_value());
+}
+
+}  // namespace

@@ -57,7 +57,7 @@ sleeping_agent() {
 }
 # python_agent MODE: an agent whose 2 workers run test_control_python.py MODE
 python_agent() {
-  PYTHONPATH=$source_dir/launcher/python ELASTRUN_PYTHON=/usr/bin/python3 start_agent a --standalone \
+  PYTHONPATH=$source_dir/worker/python ELASTRUN_PYTHON=/usr/bin/python3 start_agent a --standalone \
     --nproc-per-node 2 "$source_dir/tests/launcher/test_control_python.py" "$1"
 }
 check_checkpointed() { # check_checkpointed RANK... : each wrote its checkpoint marker from the channel
@@ -129,7 +129,7 @@ worker_exit)
   ;;
 python)
   [[ -x /usr/bin/python3 ]] || skip "no /usr/bin/python3"
-  PYTHONPATH=$source_dir/launcher/python ELASTRUN_PYTHON=/usr/bin/python3 \
+  PYTHONPATH=$source_dir/worker/python ELASTRUN_PYTHON=/usr/bin/python3 \
     /usr/bin/python3 "$source_dir/tests/launcher/test_control_python.py" unit >"$work/unit.out" 2>&1 ||
     { cat "$work/unit.out" >&2; fail "python unit checks failed"; }
   python_agent worker

@@ -1,4 +1,4 @@
-"""The Python control-channel helper (launcher/python/elastrun_control.py).
+"""The Python control-channel helper (worker/python/elastrun_control.py).
 
   test_control_python.py unit      format, change detection, .seen marker, signal handlers
   test_control_python.py worker    a worker for the agent: polls until checkpoint-and-stop, writes

@@ -52,7 +52,7 @@ echo "ok: static form, init_method=tcp://localhost:--master-port"
 # and the restarted group finishes
 rm -f "$marker"
 start=$SECONDS
-GLOO_TEST_HANG_ONCE=$marker PYTHONPATH=$here/../../launcher/python ELASTRUN_PYTHON=$py timeout 150 \
+GLOO_TEST_HANG_ONCE=$marker PYTHONPATH=$here/../../worker/python ELASTRUN_PYTHON=$py timeout 150 \
   "$elastrun" --standalone --nproc-per-node 2 --max-restarts 1 --hang-timeout 4 --log-dir "$SANDBOX/logs" \
   --rdzv-id hang "$here/gloo_allreduce.py" >"$log" 2>&1
 rc=$?

@@ -1,6 +1,6 @@
 // rdzv_member: one rendezvous member as a real process, for tests and benchmarks.
 // Joins rounds and prints one JSON line per event on stdout:
-//   {"event":"store","port":P}                       this process hosts the store
+//   {"v":1,"time":..,"node":..,"run_id":..,"event":"store","port":P}   this process hosts the store (schema v1)
 //   {"event":"round","gen":G,"group_rank":..,...}    a round including us completed
 //   {"event":"change","what":"member lost"}          something calls for a new round
 // With --slurm everything comes from the environment (zero flags), as the agent will do.
@@ -10,6 +10,10 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
+
+#include <chrono>
+
+#include "elastrun/worker/events.hpp"
 
 #include <iostream>
 
@@ -23,7 +27,12 @@
 using namespace elastrun::rdzv;
 
 namespace {
-void emit(const nlohmann::json& j) { std::cout << j.dump() << std::endl; }
+// Event lines of schema v1 (docs/events.md), the agent's format, on stdout.
+std::string g_node = "local", g_run_id;
+void emit(std::string_view event, const nlohmann::ordered_json& fields) {
+  const auto now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::cout << elastrun::worker::event_line(now, g_node, g_run_id, event, std::nullopt, fields) << std::endl;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -76,6 +85,8 @@ int main(int argc, char** argv) {
       plan.host_store = serve;
     }
     spdlog::set_pattern(fmt::format("[node {}] %v", plan.me.node_name));
+    g_node = plan.me.node_name;
+    g_run_id = plan.run_id;
     auto auth_config = resolve_auth(auth, {.run_id = plan.run_id, .one_host = false});
     std::unique_ptr<StoreServer> server;
     if (plan.host_store || serve) {
@@ -86,7 +97,7 @@ int main(int argc, char** argv) {
       options.auth = auth_config;
       if (confirm_slurm) options.holder_is_down = slurm_node_is_down;
       server = std::make_unique<StoreServer>(options);
-      emit({{"event", "store"}, {"port", server->port()}, {"node", plan.me.node_name}});
+      emit("store", {{"port", server->port()}});
     }
     // Every member also runs a standby store on a free port: if the store's host dies, the
     // survivors fail over to the first standby of the last round (no single point of failure).
@@ -116,24 +127,22 @@ int main(int argc, char** argv) {
       auto r = rdzv.next_round();
       nlohmann::json members = nlohmann::json::array();
       for (const auto& m : r.members()) members.push_back(m.node_name);
-      emit({{"event", "round"},
-            {"node", plan.me.node_name},
-            {"gen", r.generation},
-            {"group_rank", r.group_rank},
-            {"group_world_size", r.group_world_size},
-            {"world_size", r.world_size},
-            {"rank_offset", r.rank_offset},
-            {"members", members},
-            {"master", fmt::format("{}:{}", r.master_addr, r.master_port)}});
+      emit("round", {{"gen", r.generation},
+                     {"group_rank", r.group_rank},
+                     {"group_world_size", r.group_world_size},
+                     {"world_size", r.world_size},
+                     {"rank_offset", r.rank_offset},
+                     {"members", members},
+                     {"master", fmt::format("{}:{}", r.master_addr, r.master_port)}});
       if (rounds != 0 && done + 1 == rounds) break;
       Change change = Change::None;
       while (change == Change::None) change = rdzv.wait_for_change(Millis(60000));
-      emit({{"event", "change"}, {"node", plan.me.node_name}, {"what", std::string(to_string(change))}});
+      emit("change", {{"what", std::string(to_string(change))}});
       if (change == Change::Closed) return 0;
     }
     return 0;
   } catch (const RendezvousClosed& e) {
-    emit({{"event", "closed"}, {"what", e.what()}});
+    emit("closed", {{"what", e.what()}});
     return 0;
   } catch (const std::exception& e) {
     fmt::print(stderr, "rdzv_member: error: {}\n", e.what());

@@ -34,7 +34,10 @@ std::vector<nlohmann::json> read_events(const fs::path& path) {
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, false);
     EXPECT_TRUE(j.is_object()) << "not a JSON object: " << line;
-    if (j.is_object()) events.push_back(std::move(j));
+    if (j.is_object()) {
+      EXPECT_EQ(j.value("v", 0), 1) << "not schema v1: " << line;
+      events.push_back(std::move(j));
+    }
   }
   return events;
 }
@@ -42,6 +45,8 @@ std::vector<nlohmann::json> read_events(const fs::path& path) {
 TEST(Events, LineFormat) {
   const auto line = event_line(1700000000.12345, "n2", "12.r0", "round", {{"world_size", 6}});
   const auto j = nlohmann::json::parse(line);
+  EXPECT_EQ(j["v"], 1) << "schema v1 (docs/events.md)";
+  EXPECT_EQ(line.rfind(R"({"v":1,"time":)", 0), 0u) << "the schema version comes first: " << line;
   EXPECT_DOUBLE_EQ(j["time"].get<double>(), 1700000000.123);
   EXPECT_EQ(j["node"], "n2");
   EXPECT_EQ(j["run_id"], "12.r0");

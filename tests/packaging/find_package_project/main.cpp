@@ -5,6 +5,7 @@
 
 #include <elastrun/ckpt/checkpoint.hpp>
 #include <elastrun/control.hpp>
+#include <elastrun/worker/events.hpp>
 
 using namespace elastrun::ckpt;
 
@@ -55,6 +56,9 @@ int main(int argc, char** argv) {
   // elastrun::control: the header-only channel compiles and links here too.
   static_assert(elastrun::control::kCheckpointedExitCode == 85);
   if (elastrun::control::poll().stop()) return elastrun::control::kCheckpointedExitCode;
+  // elastrun::worker: the event writer (schema v1) from the installed headers.
+  auto events = elastrun::worker::EventWriter::from_environment(0);
+  if (!events.write(elastrun::contract::event::kTrainDone, {{"step", 1}})) return 1;
   std::printf("ok: step %llu in %s\n", static_cast<unsigned long long>(restored->step), restored->path.c_str());
   return 0;
 }

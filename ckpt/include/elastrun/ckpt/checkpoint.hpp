@@ -70,6 +70,11 @@ struct SaveOptions {
   bool shared_file_aggregation = false;
   // AsyncSaver only (save_checkpoint ignores it).
   AsyncSnapshot async_snapshot = AsyncSnapshot::copy;
+  // Called after each run of about 4 MiB a rank writes, on the caller's thread: a long save is
+  // progress, not a hang (e.g. `[] { elastrun::control::progress(); }` under elastrun
+  // --hang-timeout). AsyncSaver never calls it (its writer thread or child is not the training
+  // loop: a hung loop must not look alive while a save is in flight).
+  std::function<void()> on_progress = {};
 };
 
 struct SaveResult {

@@ -1,5 +1,7 @@
-// elastrun/control.hpp: the agent -> worker control channel, for training code (header only;
-// C++17 or later, the standard library and POSIX, nothing else).
+// elastrun/control.hpp: the agent -> worker control channel, the worker's side, for training code
+// (header only; C++17 or later, the standard library and POSIX, nothing else). The agent's writer
+// is launcher/src/control_file.hpp; the names both use are the worker contract's
+// (elastrun/worker/contract.hpp, generated from worker/contract.json).
 //
 // The elastrun agent tells its workers "checkpoint now" or "checkpoint and stop" through a small
 // file named by $ELASTRUN_CONTROL_FILE (one per attempt), not through a signal: NCCL and other
@@ -34,15 +36,17 @@
 #include <string>
 #include <string_view>
 
+#include "elastrun/worker/contract.hpp"
+
 namespace elastrun::control {
 
 // Worker exit code meaning "I saved a checkpoint and stopped; please requeue/restart me".
 // 85 is outside the codes programs commonly use: 0-2 (success, error, usage), 64-78
 // (sysexits.h), 126/127 (shell: not executable / not found), 128+N (killed by signal N).
-inline constexpr int kCheckpointedExitCode = 85;
+inline constexpr int kCheckpointedExitCode = contract::kCheckpointedExitCode;
 
-inline constexpr const char* kControlFileEnv = "ELASTRUN_CONTROL_FILE";
-inline constexpr const char* kCheckpointDirEnv = "ELASTRUN_CHECKPOINT_DIR";
+inline constexpr const char* kControlFileEnv = contract::env::kControlFile.data();
+inline constexpr const char* kCheckpointDirEnv = contract::env::kCheckpointDir.data();
 
 enum class Request : int {
   None = 0,               // keep training
@@ -51,12 +55,8 @@ enum class Request : int {
 };
 
 inline std::string_view to_string(Request r) {
-  switch (r) {
-    case Request::None: return "none";
-    case Request::Checkpoint: return "checkpoint";
-    case Request::CheckpointAndStop: return "checkpoint-and-stop";
-  }
-  return "none";
+  const auto level = static_cast<std::size_t>(r);
+  return level < contract::kControlRequests.size() ? contract::kControlRequests[level] : contract::kControlRequests[0];
 }
 
 inline std::optional<Request> request_from_string(std::string_view text) {
@@ -88,42 +88,9 @@ inline std::optional<Status> parse(std::string_view text) {
   return s;
 }
 
-inline std::string format(const Status& s) {
-  return std::to_string(s.sequence) + " " + std::string(to_string(s.request)) + "\n";
-}
-
-// Replaces `path` atomically with `s` (temporary file in the same directory, then rename).
-// The agent's side; false with errno set on failure.
-inline bool write_file(const std::string& path, const Status& s) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return false;
-  const std::string line = format(s);
-  std::string_view rest = line;
-  while (!rest.empty()) {
-    const ssize_t n = ::write(fd, rest.data(), rest.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const int e = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      errno = e;
-      return false;
-    }
-    rest.remove_prefix(static_cast<std::size_t>(n));
-  }
-  if (::close(fd) != 0 || ::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int e = errno;
-    ::unlink(tmp.c_str());
-    errno = e;
-    return false;
-  }
-  return true;
-}
-
 // Suffix of the marker file a reader creates on its first poll, so the agent knows the workers
 // use the channel (then a stop signal waits for their checkpoint instead of stopping them).
-inline constexpr const char* kSeenSuffix = ".seen";
+inline constexpr const char* kSeenSuffix = contract::kControlSeenSuffix.data();
 
 // A reader of one control file. Not thread-safe; cheap to keep per thread.
 class Channel {
@@ -212,15 +179,38 @@ inline Status poll() {
   return s;
 }
 
-// Tells the agent this worker made progress (elastrun --hang-timeout): call it once per step.
-// One utimensat() on $ELASTRUN_PROGRESS_FILE; nothing when the agent does not watch.
-inline void progress() {
-  static const char* path = std::getenv("ELASTRUN_PROGRESS_FILE");
-  if (path == nullptr || *path == '\0') return;
-  if (::utimensat(AT_FDCWD, path, nullptr, 0) != 0 && errno == ENOENT) {
-    const int fd = ::open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
-    if (fd >= 0) ::close(fd);
+namespace detail {
+// $ELASTRUN_PROGRESS_FILE, opened once and kept for the process's life; -1 when the agent does
+// not watch (no --hang-timeout).
+inline int progress_fd() {
+  static const int fd = [] {
+    const char* path = std::getenv(contract::env::kProgressFile.data());
+    if (path == nullptr || *path == '\0') return -1;
+    return ::open(path, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  }();
+  return fd;
+}
+}  // namespace detail
+
+// Tells the agent this worker made progress (elastrun --hang-timeout): call it once per step with
+// the step number. One pwrite() of a fixed-size record (contract::kProgressRecordFormat; Python's
+// elastrun.control.progress writes the same) at the start of $ELASTRUN_PROGRESS_FILE: the agent
+// reads the step from it, and the file's modification time is the time of the last progress.
+// Nothing when the agent does not watch.
+inline void progress(std::int64_t step) {
+  const int fd = detail::progress_fd();
+  if (fd < 0) return;
+  char record[contract::kProgressRecordSize + 1];
+  std::snprintf(record, sizeof record, contract::kProgressRecordFormat, static_cast<long>(step));
+  while (::pwrite(fd, record, contract::kProgressRecordSize, 0) < 0 && errno == EINTR) {
   }
+}
+
+// Progress without a step (a long save, a slow data loader): only the modification time changes,
+// the last step reported stays.
+inline void progress() {
+  const int fd = detail::progress_fd();
+  if (fd >= 0) ::futimens(fd, nullptr);
 }
 
 // $ELASTRUN_CHECKPOINT_DIR (elastrun --checkpoint-dir), "" if not given.
