@@ -30,6 +30,8 @@ def header(c):
            "namespace elastrun::contract {", "",
            "// Every event line carries \"v\": this; a reader refuses a line with a greater one.",
            f"inline constexpr int kEventsSchemaVersion = {c['events_schema_version']};",
+           "// The node endpoint's protocol (launcher/src/node_endpoint.hpp): requests and replies carry \"v\": this.",
+           f"inline constexpr int kNodeProtocolVersion = {c['node_protocol_version']};",
            "// A worker's exit code meaning \"I saved a checkpoint and stopped; please requeue/restart me\".",
            f"inline constexpr int kCheckpointedExitCode = {c['checkpointed_exit_code']};",
            "// " + c["progress_record"]["meaning"] + " (printf format, size in bytes).",
@@ -75,6 +77,7 @@ def snake_upper(const):
 def python(c):
     out = [f'"""The names the elastrun agent and its workers share ({NOTICE})."""', "",
            f"EVENTS_SCHEMA_VERSION = {c['events_schema_version']}",
+           f"NODE_PROTOCOL_VERSION = {c['node_protocol_version']}",
            f"CHECKPOINTED_EXIT_CODE = {c['checkpointed_exit_code']}",
            f"PROGRESS_RECORD_FORMAT = {c['progress_record']['format']!r}",
            f"PROGRESS_RECORD_SIZE = {c['progress_record']['size']}",

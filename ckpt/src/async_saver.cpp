@@ -20,6 +20,7 @@
 
 #include "h5.hpp"
 #include "internal.hpp"
+#include "vote.hpp"
 #include "writers.hpp"
 
 namespace elastrun::ckpt {
@@ -132,7 +133,7 @@ std::optional<SaveResult> AsyncSaver::wait() {
 // The forked shard writer. Protocol over a socket pair, length-prefixed frames (other children
 // of this process may hold copies of the descriptors, so end-of-file cannot mark a message's
 // end): the writer thread sends the temporary step directory; the child writes and fsyncs its
-// shard file there, replies with its report (or "!<error>") and exits. Everything the child
+// shard file there, replies with its vote (a detail::RankVote) and exits. Everything the child
 // needs was decided before fork(); it runs with every signal blocked (a SIGTERM meant for
 // training must not kill a half-written save: the parent decides) and dies with the writer
 // thread (PR_SET_PDEATHSIG).
@@ -206,9 +207,9 @@ struct AsyncSaver::SnapshotProcess {
       if (!directory || directory->empty()) ::_exit(0);  // the save failed before the shard was needed
       reply = write(*directory);
     } catch (const std::exception& e) {
-      reply = std::string("!") + e.what();
+      reply = detail::RankVote::error(e.what()).encode();
     } catch (...) {
-      reply = "!unknown error in the snapshot writer process";
+      reply = detail::RankVote::error("unknown error in the snapshot writer process").encode();
     }
     // _exit: no atexit handlers, no static destructors (MPI, torch, HDF5 belong to the parent).
     ::_exit(send_frame(fd, reply) ? 0 : 4);
@@ -238,8 +239,9 @@ struct AsyncSaver::SnapshotProcess {
                       "without a report for {}",
                       rank, pid, WIFEXITED(status) ? WEXITSTATUS(status) : -1, directory.string()));
     }
-    if ((*reply)[0] == '!') throw CheckpointError(reply->substr(1));
-    nlohmann::json answer = nlohmann::json::parse(*reply);
+    detail::RankVote vote = detail::RankVote::decode(*reply);
+    if (!vote.is_ok()) throw CheckpointError(vote.why);
+    nlohmann::json answer = std::move(vote.report);
     bytes_written += answer.at("bytes").get<std::uint64_t>();
     private_bytes = answer.value("private_bytes", std::uint64_t{0});
     return std::move(answer.at("report"));
@@ -386,7 +388,8 @@ void AsyncSaver::take_fork_snapshot(Job& job) {
         nlohmann::json report = detail::write_shard_file(directory, job.step, job.views, rank, world, options_,
                                                          detail::PieceSource::rank_piece_only, bytes);
         sample();
-        return nlohmann::json{{"report", std::move(report)}, {"bytes", bytes}, {"private_bytes", peak_private}}.dump();
+        return detail::RankVote::ok({{"report", std::move(report)}, {"bytes", bytes}, {"private_bytes", peak_private}})
+            .encode();
       };
       SnapshotProcess::child_main(ends[1], parent, prepare, write_shard);
     }

@@ -18,6 +18,7 @@
 #include "h5.hpp"
 #include "internal.hpp"
 #include "manifest.hpp"
+#include "vote.hpp"
 
 namespace elastrun::ckpt {
 
@@ -502,80 +503,47 @@ void Checkpoint::read(const TensorTarget& target, const ReadOptions& options) {
 
 namespace {
 
-// One rank's outcome of a restore phase, as it travels to rank 0 (gather of strings).
-struct RankAttempt {
-  enum class Outcome { Ok, Corrupt, Error, Mismatch };
-  Outcome outcome = Outcome::Ok;  // Corrupt, Mismatch: try an older step; Error: a caller mistake
-  std::string why;
+using detail::Decision;
+using detail::RankVote;
 
-  // Invalid UTF-8 in a message (a damaged file's bytes) is replaced, never thrown about.
-  std::string encode() const {
-    return json{{"outcome", static_cast<int>(outcome)}, {"why", why}}.dump(-1, ' ', false,
-                                                                           json::error_handler_t::replace);
-  }
-  static RankAttempt decode(const std::string& text) {
-    const auto j = json::parse(text);
-    return {static_cast<Outcome>(j.at("outcome").get<int>()), j.at("why").get<std::string>()};
-  }
-};
-
+// One rank's outcome of a restore phase: Corrupt and Mismatch mean "try an older step", Error a
+// caller mistake.
 template <typename Action>
-RankAttempt attempt(const Action& action) {
+RankVote attempt(const Action& action) {
   try {
     action();
-    return {};
+    return RankVote::ok();
   } catch (const CorruptCheckpointError& e) {
-    return {RankAttempt::Outcome::Corrupt, e.what()};
+    return {RankVote::Outcome::Corrupt, e.what(), nullptr};
   } catch (const CheckpointMismatchError& e) {
-    return {RankAttempt::Outcome::Mismatch, e.what()};
+    return {RankVote::Outcome::Mismatch, e.what(), nullptr};
   } catch (const nlohmann::json::exception& e) {
     // a manifest field of the wrong type that slipped past the index checks: damage, not a bug
-    return {RankAttempt::Outcome::Corrupt, fmt::format("damaged checkpoint metadata ({})", e.what())};
+    return {RankVote::Outcome::Corrupt, fmt::format("damaged checkpoint metadata ({})", e.what()), nullptr};
   } catch (const std::exception& e) {
-    return {RankAttempt::Outcome::Error, e.what()};
+    return RankVote::error(e.what());
   }
 }
 
 // Rank 0's decision from every rank's attempt, broadcast to all.
-struct RestoreVote {
-  enum class Action { Go, Skip, Fail };
-  Action action = Action::Go;
-  std::vector<std::string> skipped;  // Skip: "rank R: why", one per rank that found damage
-  std::string error;                 // Fail
-  std::string mismatch;              // Skip: the first rank's mismatch, if that was the reason
-
-  std::string encode() const {
-    return json{{"action", static_cast<int>(action)}, {"skipped", skipped}, {"error", error}, {"mismatch", mismatch}}
-        .dump(-1, ' ', false, json::error_handler_t::replace);
-  }
-  static RestoreVote decode(const std::string& text) {
-    const auto j = json::parse(text);
-    return {static_cast<Action>(j.at("action").get<int>()), j.at("skipped").get<std::vector<std::string>>(),
-            j.at("error").get<std::string>(), j.at("mismatch").get<std::string>()};
-  }
-};
-
-RestoreVote decide(const std::vector<std::string>& attempts, const fs::path& path) {
-  RestoreVote vote;
-  for (std::size_t r = 0; r < attempts.size(); ++r) {
-    const auto a = RankAttempt::decode(attempts[r]);
-    switch (a.outcome) {
-      case RankAttempt::Outcome::Ok: continue;
-      case RankAttempt::Outcome::Error:
+Decision decide(const std::vector<RankVote>& votes, const fs::path& path) {
+  Decision decision;
+  for (std::size_t r = 0; r < votes.size(); ++r) {
+    const auto& v = votes[r];
+    switch (v.outcome) {
+      case RankVote::Outcome::Ok: continue;
+      case RankVote::Outcome::Error:
         // A caller mistake (bad arguments, I/O refused): older steps would not fix it.
-        return {RestoreVote::Action::Fail,
-                {},
-                fmt::format("restore from {} failed on rank {}: {}", path.string(), r, a.why),
-                {}};
-      case RankAttempt::Outcome::Corrupt: vote.skipped.push_back(fmt::format("rank {}: {}", r, a.why)); break;
-      case RankAttempt::Outcome::Mismatch:
-        vote.skipped.push_back(fmt::format("rank {}: {}", r, a.why));
-        if (vote.mismatch.empty()) vote.mismatch = fmt::format("rank {}: {}", r, a.why);
+        return Decision::fail(fmt::format("restore from {} failed on rank {}: {}", path.string(), r, v.why));
+      case RankVote::Outcome::Corrupt: decision.skipped.push_back(fmt::format("rank {}: {}", r, v.why)); break;
+      case RankVote::Outcome::Mismatch:
+        decision.skipped.push_back(fmt::format("rank {}: {}", r, v.why));
+        if (decision.mismatch.empty()) decision.mismatch = fmt::format("rank {}: {}", r, v.why);
         break;
     }
   }
-  if (!vote.skipped.empty()) vote.action = RestoreVote::Action::Skip;
-  return vote;
+  if (!decision.skipped.empty()) decision.action = Decision::Action::Skip;
+  return decision;
 }
 
 }  // namespace
@@ -595,9 +563,10 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
     candidates.resize(static_cast<std::size_t>(options.max_attempts));
   }
   // Both votes: gather the statuses to rank 0, which broadcasts one decision (O(world)).
-  auto vote = [&](const RankAttempt& mine, const fs::path& path) {
+  auto vote = [&](const RankVote& mine, const fs::path& path) {
     const std::vector<std::string> attempts = comm.gather(mine.encode());
-    return RestoreVote::decode(comm.broadcast(comm.rank() == 0 ? decide(attempts, path).encode() : ""));
+    return Decision::decode(
+        comm.broadcast(comm.rank() == 0 ? decide(detail::decode_votes(attempts), path).encode() : ""));
   };
   RestoreResult result;
   std::string first_mismatch;  // the newest step that did not fit the targets, if any
@@ -617,7 +586,7 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
     std::vector<TensorTarget> chosen_targets;  // options.targets_for's boxes for this step
     std::span<const TensorTarget> step_targets = targets;
     // Phase 1: check (and verify) everything this rank will read; the targets are untouched.
-    RankAttempt mine = attempt([&] {
+    RankVote mine = attempt([&] {
       checkpoint.emplace(path);
       checkpoint->check_files();
       if (options.targets_for) {
@@ -634,9 +603,9 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
         }
       }
     });
-    RestoreVote decision = vote(mine, path);
-    if (decision.action == RestoreVote::Action::Fail) throw CheckpointError(decision.error);
-    if (decision.action == RestoreVote::Action::Skip) {
+    Decision decision = vote(mine, path);
+    if (decision.action == Decision::Action::Fail) throw CheckpointError(decision.error);
+    if (decision.action == Decision::Action::Skip) {
       result.skipped.insert(result.skipped.end(), decision.skipped.begin(), decision.skipped.end());
       if (first_mismatch.empty()) first_mismatch = decision.mismatch;
       continue;
@@ -647,13 +616,13 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
       for (const auto& target : step_targets) checkpoint->read(target, ReadOptions{false});
     });
     decision = vote(mine, path);
-    if (decision.action == RestoreVote::Action::Go) {
+    if (decision.action == Decision::Action::Go) {
       result.step = step;
       result.path = path;
       result.metadata = std::move(metadata);
       return result;
     }
-    if (decision.action == RestoreVote::Action::Fail) throw CheckpointError(decision.error);
+    if (decision.action == Decision::Action::Fail) throw CheckpointError(decision.error);
     for (const auto& s : decision.skipped) {
       result.skipped.push_back(s);
       last_copy_failure = s;

@@ -14,6 +14,7 @@
 #include "h5.hpp"
 #include "internal.hpp"
 #include "steps.hpp"
+#include "vote.hpp"
 #include "writers.hpp"
 
 namespace elastrun::ckpt {
@@ -455,16 +456,6 @@ void write_index(const fs::path& directory, const json& manifest, const SaveOpti
   file.close_checked("close index " + index_path.string());
 }
 
-std::string join_errors(const std::vector<std::string>& votes) {
-  std::vector<std::string> errors;
-  for (std::size_t r = 0; r < votes.size(); ++r) {
-    if (!votes[r].empty() && votes[r][0] == '!') {
-      errors.push_back(fmt::format("rank {}: {}", r, votes[r].substr(1)));
-    }
-  }
-  return fmt::format("{}", fmt::join(errors, "; "));
-}
-
 }  // namespace
 
 namespace {
@@ -509,13 +500,16 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
       const std::string generation = detail::generation_token();
       const fs::path temporary = root / (detail::step_name(step) + ".tmp-" + generation);
       fs::create_directory(temporary);
-      proposal = generation;
+      proposal = detail::Decision::go(generation).encode();
     } catch (const std::exception& e) {
-      proposal = fmt::format("!cannot create checkpoint directory under {}: {}", root.string(), e.what());
+      proposal = detail::Decision::fail(
+                     fmt::format("cannot create checkpoint directory under {}: {}", root.string(), e.what()))
+                     .encode();
     }
   }
-  const std::string generation = comm.broadcast(proposal);
-  if (!generation.empty() && generation[0] == '!') throw CheckpointError(generation.substr(1));
+  const detail::Decision created = detail::Decision::decode(comm.broadcast(proposal));
+  if (created.action != detail::Decision::Action::Go) throw CheckpointError(created.error);
+  const std::string& generation = created.value;
   const fs::path temporary = root / (detail::step_name(step) + ".tmp-" + generation);
 
   // Round 2 (gather to rank 0): every rank writes its shard and votes with its report (or its
@@ -542,27 +536,29 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
                                                              options, inputs.source, result.bytes_written);
     }
     if (fingerprints != nullptr && !fingerprints->empty()) report["fingerprints"] = *fingerprints;
-    vote = report.dump();
+    vote = detail::RankVote::ok(std::move(report)).encode();
   } catch (const std::exception& e) {
-    vote = std::string("!") + e.what();
+    vote = detail::RankVote::error(e.what()).encode();
   }
   const std::vector<std::string> votes = comm.gather(vote);
 
   // Round 3 (broadcast): rank 0 checks the votes, writes the index, commits and tells everyone
-  // the outcome: {"error": ...} (not committed, previous kept) or {"warnings": [...]}.
+  // the outcome: Fail (not committed, previous kept) or Go with the commit's warnings.
   std::string outcome;
   if (rank == 0) {
-    json decision = json::object();
-    if (const std::string errors = join_errors(votes); !errors.empty()) {
-      decision["error"] = fmt::format("checkpoint step {} not saved (previous one kept): {}", step, errors);
+    detail::Decision decision;
+    const std::vector<detail::RankVote> ballots = detail::decode_votes(votes);
+    if (const std::string errors = detail::failed_ranks(ballots); !errors.empty()) {
+      decision =
+          detail::Decision::fail(fmt::format("checkpoint step {} not saved (previous one kept): {}", step, errors));
     } else {
       try {
         std::vector<json> reports;
-        reports.reserve(votes.size());
-        for (const auto& v : votes) reports.push_back(json::parse(v));
+        reports.reserve(ballots.size());
+        for (const auto& b : ballots) reports.push_back(b.report);
         const json manifest = merge_reports(reports, step, comm.size(), metadata, options.layout);
         write_index(temporary, manifest, options);
-        decision["warnings"] = detail::commit(root, temporary, step, generation, options);
+        decision.warnings = detail::commit(root, temporary, step, generation, options);
         try {
           remove_partial_directories(root);
           apply_retention(root, step, options.keep_last, options.keep_every);
@@ -570,18 +566,19 @@ SaveResult detail::save_checkpoint_from(const fs::path& root, std::uint64_t step
           // Housekeeping failures never fail a committed save; the next save retries.
         }
       } catch (const std::exception& e) {
-        decision["error"] = fmt::format("checkpoint step {} not committed (previous one kept): {}", step, e.what());
+        decision = detail::Decision::fail(
+            fmt::format("checkpoint step {} not committed (previous one kept): {}", step, e.what()));
       }
     }
-    if (decision.contains("error")) {
+    if (decision.action != detail::Decision::Action::Go) {
       std::error_code ec;
       fs::remove_all(temporary, ec);  // best effort; otherwise the next save removes it
     }
-    outcome = decision.dump();
+    outcome = decision.encode();
   }
-  const json decision = json::parse(comm.broadcast(outcome));
-  if (decision.contains("error")) throw CheckpointError(decision["error"].get<std::string>());
-  result.warnings = decision.value("warnings", std::vector<std::string>{});
+  const detail::Decision decision = detail::Decision::decode(comm.broadcast(outcome));
+  if (decision.action != detail::Decision::Action::Go) throw CheckpointError(decision.error);
+  result.warnings = decision.warnings;
   result.path = step_directory(root, step);
   return result;
 }

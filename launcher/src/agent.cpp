@@ -58,7 +58,8 @@ int Agent::run() {
     tmp_.emplace();
     attempt_base_ = tmp_->path();
   } else {
-    attempt_base_ = fs::path(o_.log_dir) / plan_.run_id;
+    attempt_base_ = log_dir_per_node_ ? fs::path(o_.log_dir) / plan_.me.node_name / plan_.run_id
+                                      : fs::path(o_.log_dir) / plan_.run_id;
   }
   for (const auto& key : o_.ignored_rdzv_conf) spdlog::info("--rdzv-conf {}: accepted, no effect here", key);
   for (const auto& note : o_.notes) spdlog::info("{}", note);
@@ -131,6 +132,14 @@ State Agent::rendezvous() {
     const auto formation_ms = std::chrono::duration_cast<Millis>(Clock::now() - t0).count();
     restart_count_ = rdzv_->add_to_counter("restarts", 0);
     for (const auto& m : r.members()) ever_members_.insert(m.node_name);
+    {
+      std::lock_guard lock(status_mutex_);
+      status_.generation = static_cast<std::int64_t>(r.generation);
+      status_.world_size = r.world_size;
+      status_.group_rank = r.group_rank;
+      status_.group_world_size = r.group_world_size;
+      status_.restart_count = restart_count_;
+    }
     if (events_.enabled()) {
       nlohmann::json members = nlohmann::json::array();
       for (const auto& m : r.members()) members.push_back(m.node_name);
@@ -186,7 +195,8 @@ State Agent::start_workers() {
                                .agent_tag = watchdog_->environment_entry(),
                                .argv_program_end = command_argv_program_end_,
                                .numa_nodes = numa_nodes_,
-                               .timer_file = file_timer_ ? file_timer_->path().string() : std::string()};
+                               .timer_file = file_timer_ ? file_timer_->path().string() : std::string(),
+                               .node_socket = endpoint_ ? endpoint_->address() : std::string()};
   attempt_dir_ = attempt_dir;
   killed_by_us_.clear();
   auto specs = worker_specs(attempt, inherited_environment(environ));
@@ -195,6 +205,11 @@ State Agent::start_workers() {
   attempt_exits_.clear();
   signals_.set_workers_active(true);
   group_.emplace(std::move(specs), &*watchdog_);
+  {
+    std::lock_guard lock(status_mutex_);
+    status_.worker_pids = group_->pids();
+    status_.attempt = attempt_;
+  }
   std::string pids;
   for (auto p : group_->pids()) pids += fmt::format("{}{}", pids.empty() ? "" : ",", p);
   log_state("START_WORKERS", fmt::format("attempt {} restart {}: {} worker(s) pids {} ({})", attempt_, restart_count_,
@@ -486,6 +501,11 @@ int Agent::closed_exit(const RendezvousClosed& closed) {
 }
 
 void Agent::log_state(std::string_view name, const std::string& what) {
+  {
+    std::lock_guard lock(status_mutex_);
+    status_.state = name;
+    if (!group_) status_.worker_pids.clear();
+  }
   spdlog::info("state {}{}{}", name, what.empty() ? "" : " ", what);
   events_.emit(contract::event::kState, {{"state", name}, {"detail", what}});
 }

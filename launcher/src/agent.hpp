@@ -34,6 +34,7 @@
 #include "elastrun/rdzv/env.hpp"
 #include "elastrun/rdzv/rendezvous.hpp"
 #include "events.hpp"
+#include "node_endpoint.hpp"
 #include "failure_report.hpp"
 #include "hang_watch.hpp"
 #include "job_outcome.hpp"
@@ -93,6 +94,9 @@ class Agent {
   void resolve_command();
   void bootstrap();
   void choose_auth(bool standalone);
+  void use_job_dir();            // the job directory's defaults for the event log, logs and outcome file
+  void start_node_endpoint();    // the node's endpoint (node_endpoint.hpp), for the whole job
+  nlohmann::json node_status();  // what it answers to "status" (its own thread)
   void open_event_log();
   void linger_for_peers();
 
@@ -120,7 +124,7 @@ class Agent {
   void end_job_if_batch_script_lost(
       const std::vector<std::string>& last_round_members);  // group rank 0's last act (agent_stop.cpp)
 
-  const AgentOptions& o_;
+  AgentOptions o_;  // a copy: use_job_dir() fills in the job directory's defaults
   const rdzv::DetectedEnv& env_;
   AgentSignals& signals_;
   rdzv::BootstrapPlan plan_;
@@ -135,7 +139,9 @@ class Agent {
   std::vector<std::vector<int>> numa_nodes_;  // --numa-binding: read once at start
   std::optional<TempDir> tmp_;
   std::filesystem::path attempt_base_;
-  int attempt_ = 0;  // local starts of the workers, for per-attempt files
+  std::string job_dir_;            // the job directory in use ("" if none: job_dir.hpp)
+  bool log_dir_per_node_ = false;  // the log dir is the job's, shared by every node's agent
+  int attempt_ = 0;                // local starts of the workers, for per-attempt files
   std::int64_t restart_count_ = 0;
   FailureReport failures_;
   EventLog events_;
@@ -161,6 +167,17 @@ class Agent {
   std::mutex requeue_mutex_;
   bool requeue_attempted_ = false, requeued_ = false;
   std::set<std::string> ever_members_;  // nodes of every round so far (end_job_if_batch_script_lost)
+  // The node endpoint's view of this agent: written by the state machine, read by the endpoint's
+  // thread (status queries are answered while the state machine waits).
+  struct NodeStatus {
+    std::string state;
+    std::int64_t generation = 0, restart_count = 0;
+    int world_size = 0, group_rank = -1, group_world_size = 0, attempt = -1;
+    std::vector<pid_t> worker_pids;
+  };
+  std::mutex status_mutex_;
+  NodeStatus status_;
+  std::unique_ptr<NodeEndpoint> endpoint_;  // last member: stopped first, before what it reads
 };
 
 }  // namespace elastrun::launcher

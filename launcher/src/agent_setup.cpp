@@ -13,6 +13,7 @@
 #include <spdlog/spdlog.h>
 
 #include "agent.hpp"
+#include "job_dir.hpp"
 #include "elastrun/rdzv/etcd.hpp"
 #include "elastrun/rdzv/hostlist.hpp"
 #include "elastrun/rdzv/net.hpp"
@@ -115,9 +116,11 @@ void Agent::bootstrap() {
   if (o_.node_rank) plan_.me.node_index = *o_.node_rank;
   if (!o_.local_addr.empty()) plan_.me.address = o_.local_addr;
   spdlog::set_pattern(fmt::format("[elastrun node {}] %v", plan_.me.node_name));
+  use_job_dir();
   open_event_log();
   if (!etcd) choose_auth(standalone);
   if (!plan_.bind_note.empty() && !etcd) spdlog::warn("warning: {}", plan_.bind_note);
+  start_node_endpoint();  // after the usage errors (one line each), before any wait for the store
 
   std::unique_ptr<KvBackend> kv, hb;
   StoreConnector connector;
@@ -169,6 +172,58 @@ void Agent::choose_auth(bool standalone) {
   else
     spdlog::debug("rendezvous auth: {}{}", to_string(auth_.kind),
                   auth_.token_file.empty() ? "" : " (generated, " + auth_.token_file + ")");
+}
+
+// Under Slurm every agent of the job writes into one job directory without flags (job_dir.hpp):
+// the outcome file always (unless --outcome-file/ELASTRUN_OUTCOME_FILE names one), and the event
+// log and the per-rank logs (tee'd: files and console) unless --events or --log-dir says where.
+void Agent::use_job_dir() {
+  const auto environment = current_environment();
+  const auto job = plan_job_dir(environment);
+  if (!job) return;
+  job_dir_ = make_job_dir(*job, environment);
+  if (job_dir_.empty()) return;
+  if (o_.outcome_file.empty()) o_.outcome_file = (fs::path(job_dir_) / kOutcomeFileName).string();
+  if (!o_.events.empty() || !o_.log_dir.empty()) return;
+  o_.log_dir = job_dir_;
+  log_dir_per_node_ = true;
+  const bool streams_chosen =
+      o_.redirects.all != 0 || !o_.redirects.per_rank.empty() || o_.tee.all != 0 || !o_.tee.per_rank.empty();
+  if (!streams_chosen) o_.tee.all = 3;  // every rank's stdout and stderr in files, and on the console as before
+  spdlog::info("job directory {} (events, logs, outcome)", job_dir_);
+}
+
+// The node's endpoint, for the whole job: @elastrun-node-<pid>-<node> in the abstract namespace
+// (nothing on disk; gone with us, even after kill -9). Our workers get its address. Not vital
+// today: if it cannot be had, the job goes on without it (one warning).
+void Agent::start_node_endpoint() {
+  const std::string address = default_node_address(static_cast<int>(::getpid()), plan_.me.node_name);
+  try {
+    endpoint_ = std::make_unique<NodeEndpoint>(address, [this](const nlohmann::json& request) {
+      const std::string op = request.value("op", "");
+      if (op == "status") return node_status();
+      throw std::invalid_argument(fmt::format("unknown op '{}' (this agent knows: status)", op));
+    });
+    spdlog::info("node endpoint {}", address);
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: no node endpoint ({}); status queries will not be answered", e.what());
+  }
+}
+
+nlohmann::json Agent::node_status() {
+  std::lock_guard lock(status_mutex_);
+  return {{"node", plan_.me.node_name},
+          {"run_id", plan_.run_id},
+          {"pid", ::getpid()},
+          {"state", status_.state},
+          {"generation", status_.generation},
+          {"world_size", status_.world_size},
+          {"group_rank", status_.group_rank},
+          {"group_world_size", status_.group_world_size},
+          {"restart_count", status_.restart_count},
+          {"attempt", status_.attempt},
+          {"worker_pids", status_.worker_pids},
+          {"job_dir", job_dir_}};
 }
 
 // --events, or <--log-dir>/events-<node>.jsonl: opened before anything else happens, so a path

@@ -4,7 +4,8 @@
 //      task's argv[0] with this binary and put the user's program in ELASTRUN_SPANK_PROGRAM, so
 //      argv holds the *user's* arguments, which must not be read as our verbs;
 //   2. a verb first on the line: `env [--json]` (env_command.hpp), `store-serve ...`
-//      (spank_commands.hpp), `--version`;
+//      (spank_commands.hpp), `job-dir` and `job-step COMMAND...` (job_dir.hpp), `node-status [ADDRESS]`
+//      (node_endpoint.hpp), `--version`;
 //   3. otherwise the agent: `elastrun [torchrun flags] PROGRAM [ARGS...]` (agent.hpp).
 #include <fmt/format.h>
 
@@ -13,6 +14,8 @@
 
 #include "agent.hpp"
 #include "env_command.hpp"
+#include "job_dir.hpp"
+#include "node_endpoint.hpp"
 #include "spank_commands.hpp"
 
 #ifndef ELASTRUN_VERSION
@@ -26,6 +29,9 @@ int main(int argc, char** argv) {
     const std::string_view verb = argv[1];
     if (verb == "store-serve") return launcher::run_store_serve(argc - 1, argv + 1);
     if (verb == "env") return launcher::run_env_command(argc - 1, argv + 1);
+    if (verb == "job-dir") return launcher::run_job_dir_command(argc - 1, argv + 1);
+    if (verb == "job-step") return launcher::run_job_step_command(argc - 1, argv + 1);
+    if (verb == "node-status") return launcher::run_node_status_command(argc - 1, argv + 1);
     if (verb == "--version" || verb == "-V") {
       fmt::print("elastrun {}\n", ELASTRUN_VERSION);
       return 0;

@@ -37,6 +37,7 @@ struct AttemptContext {
   std::size_t argv_program_end = 1;          // where --local-rank-arg goes: after `python -u [-m] SCRIPT`
   std::vector<std::vector<int>> numa_nodes;  // --numa-binding: each NUMA node's CPUs (read_numa_nodes)
   std::string timer_file;                    // TORCHELASTIC_TIMER_FILE: the agent's FileTimer FIFO ("" = none)
+  std::string node_socket = {};              // ELASTRUN_NODE_SOCKET: the node endpoint's address ("" = none)
 };
 
 // --hang-timeout: the files of local rank `local` in an attempt directory, and the signal on

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <optional>
 #include <thread>
 
 #include "elastrun/rdzv/net.hpp"
@@ -176,6 +177,14 @@ std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const Auth
   const auto deadline = start + patience;
   auto next_report = start + std::chrono::seconds(3);
   std::string last_error;
+  // A refused credential is final for that port (wrong credentials stay wrong), but with Slurm's
+  // derived ports the store there may be another job's (a neighbouring cluster's job with the same
+  // id, on the same host): ours may be on a fallback port that is not up yet. Other ports get
+  // kRefusalGrace; then, or when every port refused, the refusal is the error.
+  constexpr auto kRefusalGrace = std::chrono::seconds(10);
+  std::vector<bool> refused(ports.size(), false);
+  std::optional<StoreError> refusal;
+  std::chrono::steady_clock::time_point refused_at{};
   for (int attempt = 0;; ++attempt) {
     if (const auto now = std::chrono::steady_clock::now(); attempt > 0 && now >= next_report) {
       // Say so within seconds, not at join_timeout: nobody may be hosting the store at all.
@@ -187,17 +196,27 @@ std::unique_ptr<StoreClient> connect_store(const BootstrapPlan& plan, const Auth
           std::chrono::duration_cast<std::chrono::seconds>(patience).count());
       next_report = now + std::chrono::seconds(10);
     }
-    for (auto port : ports) {
+    for (std::size_t i = 0; i < ports.size(); ++i) {
+      if (refused[i]) continue;
       try {
-        return std::make_unique<StoreClient>(plan.store_address, port, auth, plan.run_id, Millis(2000));
+        return std::make_unique<StoreClient>(plan.store_address, ports[i], auth, plan.run_id, Millis(2000));
       } catch (const StoreError& e) {
         last_error = e.what();
-        // A store of another run (a stale port, a neighbouring job) may yet make way for ours; a
-        // refused credential is final: wrong credentials stay wrong.
-        if (e.kind() == StoreErrorKind::AuthFailed) throw;
+        if (e.kind() == StoreErrorKind::AuthFailed) {
+          refused[i] = true;
+          if (!refusal) {
+            refusal = e;
+            refused_at = std::chrono::steady_clock::now();
+          }
+        }
+        // any other error: a store of another run (a stale port) may yet make way for ours
       }
     }
-    if (std::chrono::steady_clock::now() > deadline)
+    const auto now = std::chrono::steady_clock::now();
+    if (refusal &&
+        (std::all_of(refused.begin(), refused.end(), [](bool r) { return r; }) || now - refused_at > kRefusalGrace))
+      throw *refusal;
+    if (now > deadline)
       throw StoreError(StoreErrorKind::ConnectionLost,
                        fmt::format("no rendezvous store for run '{}' at {} ({}) ports {}..{} after {} s: {}",
                                    plan.run_id, plan.store_host, plan.store_address, ports.front(), ports.back(),

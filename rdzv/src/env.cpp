@@ -496,7 +496,7 @@ DetectedEnv detect_environment(const EnvMap& env, const HostlistExpander& expand
 
   if (d.slurm) {
     const auto& s = *d.slurm;
-    d.run_id = s.job_id + ".r" + std::to_string(s.restart_count);
+    d.run_id = format_run_id(s.job_id, std::nullopt, std::to_string(s.restart_count));
     // The rendezvous host is the first node of the whole (possibly heterogeneous) step.
     const std::string& first = s.het_components.empty() ? s.nodes.front() : s.het_components.front().nodes.front();
     std::uint64_t step = 0;
@@ -505,6 +505,12 @@ DetectedEnv detect_environment(const EnvMap& env, const HostlistExpander& expand
   }
   if (d.torch && !d.torch->run_id.empty()) d.run_id = d.torch->run_id;
   return d;
+}
+
+std::string format_run_id(std::string_view job_id, std::optional<std::string_view> step_id, std::string_view restarts) {
+  if (restarts.empty()) restarts = "0";
+  if (step_id) return fmt::format("{}.{}.r{}", job_id, *step_id, restarts);
+  return fmt::format("{}.r{}", job_id, restarts);
 }
 
 }  // namespace elastrun::rdzv

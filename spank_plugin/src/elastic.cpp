@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cctype>
 
+#include "elastrun/rdzv/env.hpp"
+
 namespace elastrun::spank {
 
 bool safe_token(std::string_view text) {
@@ -50,7 +52,7 @@ std::string join_lines(const std::vector<std::string>& items) {
 }
 
 std::string elastic_run_id(std::uint32_t job, std::uint32_t step, std::string_view restart_count) {
-  return fmt::format("{}.{}.r{}", job, step, restart_count.empty() ? "0" : restart_count);
+  return rdzv::format_run_id(std::to_string(job), std::to_string(step), restart_count);
 }
 
 std::string step_dir_name(std::uint32_t job, std::uint32_t step, std::string_view node) {

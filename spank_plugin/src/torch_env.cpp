@@ -37,8 +37,9 @@ std::string master_node(const rdzv::DetectedEnv& step) { return step.rdzv_endpoi
 
 std::string run_id(const rdzv::DetectedEnv& step, RunIdMode mode) {
   const auto& s = *step.slurm;
-  if (mode == RunIdMode::Job) return fmt::format("{}.r{}", s.job_id, s.restart_count);
-  return fmt::format("{}.{}.r{}", s.job_id, s.step_id.value_or("0"), s.restart_count);
+  const std::string restarts = std::to_string(s.restart_count);
+  if (mode == RunIdMode::Job) return rdzv::format_run_id(s.job_id, std::nullopt, restarts);
+  return rdzv::format_run_id(s.job_id, s.step_id.value_or("0"), restarts);
 }
 
 EnvVars torch_environment(const rdzv::DetectedEnv& task, const std::string& master_addr, RunIdMode mode) {

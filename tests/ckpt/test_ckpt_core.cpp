@@ -11,6 +11,7 @@
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "h5.hpp"
 #include "internal.hpp"
+#include "step_fixtures.hpp"
 #include "test_support.hpp"
 
 namespace elastrun::ckpt {
@@ -324,29 +325,6 @@ TEST(CkptCommit, ResavingAStepReplacesIt) {
   EXPECT_EQ(list_steps(dir.path()).size(), 1U);
 }
 
-// Flips bytes inside the stored data of a shard dataset (found through HDF5's own offset).
-void corrupt_dataset_bytes(const fs::path& shard, const std::string& dataset_name);
-
-void corrupt_dataset_bytes(const fs::path& shard, const std::string& dataset_name) {
-  haddr_t offset = HADDR_UNDEF;
-  {
-    h5::Lock lock(h5::library_mutex());
-    h5::Handle file = h5::make_file(H5Fopen(shard.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), "open");
-    h5::Handle dataset = h5::make_dataset(H5Dopen2(file.get(), dataset_name.c_str(), H5P_DEFAULT), "open dataset");
-    offset = H5Dget_offset(dataset.get());
-  }
-  ASSERT_NE(offset, HADDR_UNDEF);
-  std::fstream stream(shard, std::ios::in | std::ios::out | std::ios::binary);
-  ASSERT_TRUE(stream.good());
-  stream.seekg(static_cast<std::streamoff>(offset));
-  char byte = 0;
-  stream.read(&byte, 1);
-  byte = static_cast<char>(byte ^ 0x40);
-  stream.seekp(static_cast<std::streamoff>(offset));
-  stream.write(&byte, 1);
-  ASSERT_TRUE(stream.good());
-}
-
 TEST(CkptSave, AlignmentPlacesLargeDatasetsOnStripeBoundaries) {
   TempDir dir;
   SingleProcessCommunicator comm;
@@ -379,7 +357,7 @@ TEST(CkptVerify, CorruptShardDetectedAndRestoreFallsBack) {
   save_world4(dir.path(), 100, old_model);
   save_world4(dir.path(), 200, new_model);
   const fs::path bad_shard = dir.path() / "step-000000200" / "shard-00001-of-00004.h5";
-  corrupt_dataset_bytes(bad_shard, "model/w");
+  testing::steps::flip_stored_byte(bad_shard, "model/w");
 
   Checkpoint damaged(dir.path() / "step-000000200");
   const auto problems = damaged.verify_all();

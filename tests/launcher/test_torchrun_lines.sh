@@ -37,13 +37,14 @@ launch() {
   timeout 120 "${cmd[@]}" >"$out" 2>&1
 }
 
-# ranks OUT...: the workers' variables, one sorted line per worker, run-dependent ones left out
+# ranks OUT...: the workers' variables, one sorted line per worker, run-dependent ones left out.
+# Found anywhere in the output: torchrun's console relay may put two workers' lines on one.
 ranks() {
-  cat "$@" | grep -o 'TRLINE .*' | cut -d' ' -f2- | "$py" -c '
-import json, sys
+  cat "$@" | "$py" -c '
+import json, re, sys
 rows = []
-for line in sys.stdin:
-    d = json.loads(line)
+for found in re.findall(r"TRLINE (\{[^{}]*\})", sys.stdin.read()):
+    d = json.loads(found)
     for k in ("TORCHELASTIC_RUN_ID",) if d.get("TORCHELASTIC_RUN_ID") not in ("none",) else ():
         d.pop(k)
     rows.append(json.dumps(d, sort_keys=True))

@@ -210,6 +210,13 @@ INSTANTIATE_TEST_SUITE_P(
             "master_port_out_of_range", {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_PORT", "70000"}}, "MASTER_PORT"}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// One run-id format for the agent and both plugin modes (rdzv::format_run_id).
+TEST(RunId, JobWideAndPerStep) {
+  EXPECT_EQ(format_run_id("17", std::nullopt, "0"), "17.r0");
+  EXPECT_EQ(format_run_id("17", std::nullopt, ""), "17.r0");
+  EXPECT_EQ(format_run_id("17", "2", "3"), "17.2.r3");
+}
+
 TEST(TasksPerNode, ParsesSlurmCompressedForm) {
   EXPECT_EQ(parse_tasks_per_node("2(x3),1"), (std::vector<int>{2, 2, 2, 1}));
   EXPECT_EQ(parse_tasks_per_node("8"), (std::vector<int>{8}));

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The job scripts in sbatch/ submitted with sbatch on the testbed, running the launcher's test
 # worker (it writes its environment as rank<R>.gen<G>.json):
-#   elastic  sbatch/elastic.sbatch on 4 nodes -> 8 workers, ranks in node order, exit 0
+#   elastic  sbatch/elastic.sbatch on 4 nodes -> 8 workers, ranks in node order, exit 0; with no
+#            flag and no ELASTRUN_JOB_DIR, the job directory $SLURM_SUBMIT_DIR/elastrun-<job> (0700)
+#            holds every node's events (schema v1), the ranks' logs and outcome.json, and the
+#            per-user index links to it
 #   het      sbatch/het.sbatch (2 nodes x 2 workers + 1 node x 1 worker) -> 5 global ranks,
 #            component 0 first
 #   usage    sbatch/elastic.sbatch without a program -> the job fails with a usage line
@@ -33,9 +36,9 @@ submit() {
   local script=$1
   shift
   local rc=0
-  TMPDIR=$out/tmp TEST_WORKER_OUT_DIR=$out ELASTRUN=$ELASTRUN_BIN/elastrun \
+  (cd "$out" && TMPDIR=$out/tmp TEST_WORKER_OUT_DIR=$out ELASTRUN=$ELASTRUN_BIN/elastrun \
     timeout 240 sbatch --wait --parsable --chdir="$out" --output="$out/%x-%j.out" "${sbatch_options[@]}" "$SBATCH_DIR/$script" "$@" \
-    >"$out/submit.txt" 2>&1 || rc=$?
+    >"$out/submit.txt" 2>&1) || rc=$?
   job=
   echo "$rc"
 }
@@ -68,12 +71,28 @@ job_completed() {
 
 case $case_ in
 elastic)
+  unset ELASTRUN_JOB_DIR  # the default: beside the directory sbatch was run from
   rc=$(submit elastic.sbatch "$worker")
   ((rc == 0)) || fail "elastic.sbatch ended with $rc: $(cat "$out/submit.txt")"
-  /usr/bin/python3 - "$out" "$(head -1 "$out/submit.txt")" <<'PY'
-import glob, json, sys
+  /usr/bin/python3 - "$out" "$(head -1 "$out/submit.txt")" "$ELASTRUN_INDEX_DIR" <<'PY'
+import glob, json, os, stat, sys
+import elastrun.events as ev
 runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
 job_id = sys.argv[2].split(";")[0].strip()
+job_dir = os.path.join(sys.argv[1], "elastrun-" + job_id)
+assert stat.S_IMODE(os.stat(job_dir).st_mode) == 0o700, oct(os.stat(job_dir).st_mode)
+files = sorted(os.path.basename(f) for f in glob.glob(job_dir + "/events-*.jsonl"))
+assert files == ["events-n%d.jsonl" % n for n in range(1, 5)], files
+events = ev.read([job_dir])
+assert all(e["v"] == 1 for e in events) and {e["node"] for e in events} == {"n1", "n2", "n3", "n4"}
+assert sum(e["event"] == "round" for e in events) == 4, [e["event"] for e in events]
+outcome = json.load(open(os.path.join(job_dir, "outcome.json")))
+assert outcome["outcome"] == "succeeded" and outcome["exit_code"] == 0, outcome
+logs = glob.glob(job_dir + "/n*/*/attempt_0/*/stdout.log")
+assert len(logs) == 8, logs  # every rank's output, per node
+index = glob.glob(os.path.join(sys.argv[3], "*", job_id))
+assert len(index) == 1 and os.path.realpath(index[0]) == os.path.realpath(job_dir), index
+print("ok: the job directory", job_dir, "has", len(events), "events of 4 nodes, 8 ranks' logs and the outcome")
 assert sorted(int(r["RANK"]) for r in runs) == list(range(8)), runs
 for r in runs:
     assert r["WORLD_SIZE"] == "8" and r["LOCAL_WORLD_SIZE"] == "2", r

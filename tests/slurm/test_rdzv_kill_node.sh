@@ -30,8 +30,9 @@ grep -q '"members":\["n1","n2","n3","n4"\]' "$out/members.jsonl" || fail "round 
 members_form 3 || fail "the three survivors did not re-form after kill-node n3"
 
 /usr/bin/python3 - "$out/members.jsonl" <<'PY'
-import json, sys
-rounds = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"event":"round"')]
+import sys
+import elastrun.events as ev
+rounds = [e for e in ev.read([sys.argv[1]]) if e["event"] == "round"]  # schema v1
 three = [r for r in rounds if r["group_world_size"] == 3]
 assert sorted(r["node"] for r in three) == ["n1", "n2", "n4"], three
 for r in three:
@@ -45,8 +46,9 @@ PY
 "$TB" kill-node n1   # the store's host
 members_form 2 || fail "the two survivors did not re-form after the store host n1 died"
 /usr/bin/python3 - "$out/members.jsonl" <<'PY'
-import json, sys
-rounds = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"event":"round"')]
+import sys
+import elastrun.events as ev
+rounds = [e for e in ev.read([sys.argv[1]]) if e["event"] == "round"]  # schema v1
 two = [r for r in rounds if r["group_world_size"] == 2]
 assert sorted(r["node"] for r in two) == ["n2", "n4"], two
 assert all(r["members"] == ["n2", "n4"] for r in two), two

@@ -24,6 +24,7 @@
 #   processes    track_pid [-s SIGNAL] PID..., untrack_pid PID..., await PID, stop_pid PID...,
 #                exited PID..., alive_pids PID..., kill_recorded_pids DIR ERE,
 #                alive_recorded_pids DIR ERE
+#   cases        test_expect_success WHAT <<'CASE' ... CASE, test_done (one file per concern)
 #   files        sandbox [--tmpdir] [TEMPLATE] (sets SANDBOX), worker_sandbox ERE
 #   waiting      wait_for [-i INTERVAL] [-a PID MESSAGE] SECONDS CMD..., have_files N GLOB,
 #                have_lines N PATTERN FILE...
@@ -51,6 +52,34 @@ fail() {
 skip() {
   echo "skip: $*"
   exit 77
+}
+
+# ---- cases (sharness style) ----------------------------------------------------------------------
+
+# test_expect_success 'WHAT' <<'CASE' ... CASE: one case of a test file, named by what it checks.
+# The body (stdin, quoted heredoc: written as in a script) runs in this shell after test_setup (if
+# the file defines one), with FAIL_TAG=WHAT so that a `fail` names the case; it passes when it
+# returns 0 ("ok N - WHAT"). The first failing case ends the file, cleaned up as any failed test.
+# TEST_ONLY=WORDS runs only the cases whose WHAT contains WORDS.
+TEST_COUNT=0
+test_expect_success() {
+  local what=$1 body rc
+  body=$(cat)
+  [[ -z ${TEST_ONLY:-} || $what == *"$TEST_ONLY"* ]] || return 0
+  TEST_COUNT=$((TEST_COUNT + 1))
+  FAIL_TAG=$what
+  if [[ $(type -t test_setup) == function ]]; then test_setup; fi
+  eval "$body"
+  rc=$?
+  ((rc == 0)) || fail "the case ended with status $rc"
+  FAIL_TAG=
+  echo "ok $TEST_COUNT - $what"
+}
+
+# test_done: the end of a file of cases: "# passed all N case(s)", exit 0.
+test_done() {
+  echo "# passed all $TEST_COUNT case(s)${TEST_ONLY:+ matching '$TEST_ONLY'}"
+  exit 0
 }
 
 # ---- at exit --------------------------------------------------------------------------------------
@@ -229,6 +258,9 @@ sandbox() {
   chmod 755 "$SANDBOX"
   mkdir -p "$SANDBOX/tmp"
   if [[ -n $tmpdir ]]; then export TMPDIR=$SANDBOX/tmp; fi
+  # the agents' job directories and their per-user index stay in the sandbox (a test's Slurm job
+  # ids restart at 1 on every testbed; ~/.elastrun is the user's)
+  export ELASTRUN_JOB_DIR=$SANDBOX/jobs/%j ELASTRUN_INDEX_DIR=$SANDBOX/index
   return 0
 }
 

@@ -23,6 +23,12 @@ using EnvMap = std::map<std::string, std::string, std::less<>>;
 // A snapshot of this process's environment (::environ).
 EnvMap current_environment();
 
+// The run id, one format for the agent, srun --torch-env and srun --elastic (TORCHELASTIC_RUN_ID,
+// the rendezvous' namespace): "<job>.r<restarts>" job-wide (the agent under Slurm), or
+// "<job>.<step>.r<restarts>" for one step. `restarts` is SLURM_RESTART_COUNT ("" reads as 0), so a
+// requeued job starts a new run.
+std::string format_run_id(std::string_view job_id, std::optional<std::string_view> step_id, std::string_view restarts);
+
 // Thrown for a contradictory, partial or unparsable environment. what() is one line.
 class EnvError : public std::runtime_error {
  public:

@@ -10,6 +10,8 @@ namespace elastrun::contract {
 
 // Every event line carries "v": this; a reader refuses a line with a greater one.
 inline constexpr int kEventsSchemaVersion = 1;
+// The node endpoint's protocol (launcher/src/node_endpoint.hpp): requests and replies carry "v": this.
+inline constexpr int kNodeProtocolVersion = 1;
 // A worker's exit code meaning "I saved a checkpoint and stopped; please requeue/restart me".
 inline constexpr int kCheckpointedExitCode = 85;
 // what progress(step) writes at offset 0 of $ELASTRUN_PROGRESS_FILE: the step (-1: none), right-aligned, and a newline
@@ -59,9 +61,12 @@ inline constexpr std::string_view kStacksFile =
 inline constexpr std::string_view kStacksSignal = "ELASTRUN_STACKS_SIGNAL";  // the signal that dumps them
 inline constexpr std::string_view kEventsFile =
     "ELASTRUN_EVENTS_FILE";  // the node's event log: workers append their events (schema v1) to it
+inline constexpr std::string_view kNodeSocket =
+    "ELASTRUN_NODE_SOCKET";  // the node agent's endpoint ('@name': abstract Unix socket; elastrun node-status,
+                             // docs/launcher.md)
 // The variables the agent owns: an inherited one of these names is never passed on (the
 // others, e.g. TORCHELASTIC_TIMER_FILE, stay when the agent does not set its own).
-inline constexpr std::array<std::string_view, 26> kReplaced = {kRank,
+inline constexpr std::array<std::string_view, 27> kReplaced = {kRank,
                                                                kLocalRank,
                                                                kGroupRank,
                                                                kNodeRank,
@@ -86,7 +91,8 @@ inline constexpr std::array<std::string_view, 26> kReplaced = {kRank,
                                                                kCheckpointedExitCodeVar,
                                                                kProgressFile,
                                                                kStacksFile,
-                                                               kStacksSignal};
+                                                               kStacksSignal,
+                                                               kNodeSocket};
 // The torch variables srun --torch-env sets for every task (the agent sets them too).
 inline constexpr std::array<std::string_view, 15> kTorch = {
     kRank,           kLocalRank,     kGroupRank,  kNodeRank,   kRoleRank,     kRoleName,    kLocalWorldSize, kWorldSize,
