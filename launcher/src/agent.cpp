@@ -65,7 +65,7 @@ int Agent::run() {
   for (const auto& note : o_.notes) spdlog::info("{}", note);
   if (const char* on = std::getenv("TORCHELASTIC_ENABLE_FILE_TIMER"); on && std::string_view(on) == "1") {
     // torch's FileTimerServer protocol: the FIFO named by TORCHELASTIC_TIMER_FILE, else one of ours
-    const char* named = std::getenv("TORCHELASTIC_TIMER_FILE");
+    const char* named = std::getenv(std::string(contract::env::kTimerFile).c_str());
     file_timer_.emplace(named && *named ? fs::path(named)
                                         : attempt_base_ / fmt::format("watchdog_timer_{}", plan_.me.pid));
     spdlog::info("serving torch FileTimer requests on {} (TORCHELASTIC_ENABLE_FILE_TIMER=1)",
@@ -230,7 +230,7 @@ State Agent::monitor() {
   change_ = Change::None;
   while (true) {
     if (int sig = signals_.checkpoint_signal(); sig && !signals_.stop_signal()) {
-      ask_checkpoint_stop(sig);
+      stop_ = stop_for_signal(sig);
       return State::CheckpointStop;
     }
     if (int sig = signals_.stop_signal()) {
@@ -251,7 +251,8 @@ State Agent::monitor() {
         failures.push_back(e);
       }
     }
-    if (!failures.empty() && killed_by_slurm_stop_signal(failures)) {
+    if (auto stop = failures.empty() ? std::nullopt : killed_by_slurm_stop_signal(failures)) {
+      stop_ = std::move(*stop);
       // Slurm signals every process of the step: a worker without a handler dies of the
       // SIGUSR1/SIGTERM that is also on its way to us. Not an application failure.
       spdlog::info("worker(s) killed by {}: waiting for the agent's own copy of the signal",
@@ -261,13 +262,15 @@ State Agent::monitor() {
     for (const auto& e : failures) record(e);
     if (!failures.empty()) return State::Failed;
     if (checkpointed) {
-      stop_signal_ = 0;
-      stop_class_ = FailureClass::TimeLimit;
-      stop_reason_ = fmt::format("a worker exited {} (checkpointed)", elastrun::control::kCheckpointedExitCode);
+      stop_ = {FailureClass::TimeLimit, 0,
+               fmt::format("a worker exited {} (checkpointed)", elastrun::control::kCheckpointedExitCode)};
       return State::CheckpointStop;
     }
     if (group_->all_exited()) return State::Succeeded;
-    if (stop_requested_elsewhere()) return State::CheckpointStop;
+    if (auto stop = stop_requested_elsewhere()) {
+      stop_ = std::move(*stop);
+      return State::CheckpointStop;
+    }
     watch_for_hangs();
     change_ = wait_for_change(o_.monitor_interval);
     if (change_ != Change::None) return State::MembershipChanged;

@@ -114,9 +114,15 @@ class Agent {
   void write_outcome(JobOutcome outcome, int exit_code);            // --outcome-file, group rank 0
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
-  void ask_checkpoint_stop(int sig);  // a checkpoint signal reached us while workers ran
-  bool killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits);
-  bool stop_requested_elsewhere();
+  // Why CHECKPOINT_STOP was entered; each way there returns one (the transition's data).
+  struct StopRequest {
+    FailureClass cls = FailureClass::TimeLimit;
+    int signal = 0;  // the signal that asked for it, 0 if a worker or a peer did
+    std::string reason;
+  };
+  static StopRequest stop_for_signal(int sig, std::string_view detail = {});  // Slurm's warning, preemption
+  std::optional<StopRequest> killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits);
+  std::optional<StopRequest> stop_requested_elsewhere();  // a peer's request, published in the store
   rdzv::Change checkpoint_before_scale_up();
   bool request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal);
   void requeue_failed_job();
@@ -159,9 +165,7 @@ class Agent {
   // checkpoint-and-stop (state CHECKPOINT_STOP)
   std::string control_path_;  // this attempt's control file (ELASTRUN_CONTROL_FILE)
   std::uint64_t control_sequence_ = 0;
-  FailureClass stop_class_ = FailureClass::TimeLimit;
-  int stop_signal_ = 0;  // the signal that asked for it, 0 if a worker or a peer did
-  std::string stop_reason_;
+  StopRequest stop_;  // set by the transition into CHECKPOINT_STOP (MONITOR), read by it
   Clock::time_point next_stop_poll_{};
   // requeue: once per agent, from the main thread or the signal thread (request_requeue)
   std::mutex requeue_mutex_;

@@ -12,7 +12,7 @@
 #include <spdlog/spdlog.h>
 
 #include "agent.hpp"
-#include "elastrun/rdzv/slurm_api.hpp"
+#include "elastrun/slurm/api.hpp"
 #include "job_outcome.hpp"
 #include "requeue.hpp"
 
@@ -38,52 +38,45 @@ std::string_view why_of_stop_signal(int sig) {
 
 }  // namespace
 
-void Agent::ask_checkpoint_stop(int sig) {
-  stop_signal_ = sig;
-  stop_class_ = class_of_stop_signal(sig);
-  stop_reason_ = fmt::format("{} ({})", signal_name(sig), why_of_stop_signal(sig));
+Agent::StopRequest Agent::stop_for_signal(int sig, std::string_view detail) {
+  return {class_of_stop_signal(sig), sig,
+          fmt::format("{} ({}{}{})", signal_name(sig), why_of_stop_signal(sig), detail.empty() ? "" : "; ", detail)};
 }
 
 // True if every exit in `exits` is a death by SIGUSR1/SIGUSR2/SIGTERM and the agent itself
 // receives such a signal within kSlurmSignalSettle (then the stop is Slurm's, not a failure).
-// Sets the stop's class and reason.
-bool Agent::killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits) {
+// Returns the stop it is.
+std::optional<Agent::StopRequest> Agent::killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits) {
   for (const auto& e : exits)
-    if (!is_checkpoint_signal(e.signal)) return false;
+    if (!is_checkpoint_signal(e.signal)) return std::nullopt;
   const auto deadline = Clock::now() + kSlurmSignalSettle;
   int sig = 0;
   while ((sig = signals_.checkpoint_signal()) == 0 && Clock::now() < deadline)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  if (sig == 0) return false;
-  stop_signal_ = sig;
-  stop_class_ = class_of_stop_signal(sig);
-  stop_reason_ = fmt::format("{} ({}; it also killed {} worker(s) without a handler)", signal_name(sig),
-                             why_of_stop_signal(sig), exits.size());
-  return true;
+  if (sig == 0) return std::nullopt;
+  return stop_for_signal(sig, fmt::format("it also killed {} worker(s) without a handler", exits.size()));
 }
 
 // Another agent's checkpoint-and-stop request (published in the store), looked for once per
 // kStopRequestPoll: a node whose agent got no signal (or whose worker asked) stops with the rest.
-bool Agent::stop_requested_elsewhere() {
-  if (rdzv_->current().group_world_size <= 1) return false;
+std::optional<Agent::StopRequest> Agent::stop_requested_elsewhere() {
+  if (rdzv_->current().group_world_size <= 1) return std::nullopt;
   const auto now = Clock::now();
-  if (now < next_stop_poll_) return false;
+  if (now < next_stop_poll_) return std::nullopt;
   next_stop_poll_ = now + kStopRequestPoll;
   std::optional<std::string> request;
   try {
     request = rdzv_->read("stop-request");
   } catch (const std::exception&) {
-    return false;  // the store is changing hands; the membership change will tell
+    return std::nullopt;  // the store is changing hands; the membership change will tell
   }
-  if (!request) return false;
+  if (!request) return std::nullopt;
   auto j = nlohmann::json::parse(*request, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object()) return false;
-  const auto cls = j.value("class", std::string());
-  stop_class_ = failure_class_from_string(cls).value_or(FailureClass::TimeLimit);
-  stop_signal_ = j.value("signal", 0);
-  stop_reason_ =
-      fmt::format("requested by node {} ({})", j.value("node", std::string("?")), j.value("reason", std::string("?")));
-  return true;
+  if (!j.is_object()) return std::nullopt;
+  return StopRequest{
+      failure_class_from_string(j.value("class", std::string())).value_or(FailureClass::TimeLimit),
+      j.value("signal", 0),
+      fmt::format("requested by node {} ({})", j.value("node", std::string("?")), j.value("reason", std::string("?")))};
 }
 
 // CHECKPOINT_STOP: ask the local workers to checkpoint and stop (control channel; the signal
@@ -92,16 +85,16 @@ bool Agent::stop_requested_elsewhere() {
 State Agent::checkpoint_stop() {
   signals_.set_checkpoint_stopping(true);
   const bool channel_read = fs::exists(control_path_ + elastrun::control::kSeenSuffix);
-  log_state("CHECKPOINT_STOP", fmt::format("class {}: {}", to_string(stop_class_), stop_reason_));
+  log_state("CHECKPOINT_STOP", fmt::format("class {}: {}", to_string(stop_.cls), stop_.reason));
   events_.emit(contract::event::kCheckpointRequest, {{"kind", "stop"},
-                                                     {"class", to_string(stop_class_)},
-                                                     {"reason", stop_reason_},
-                                                     {"signal", stop_signal_ ? signal_name(stop_signal_) : ""}});
+                                                     {"class", to_string(stop_.cls)},
+                                                     {"reason", stop_.reason},
+                                                     {"signal", stop_.signal ? signal_name(stop_.signal) : ""}});
   try {
-    nlohmann::json request = {{"class", std::string(to_string(stop_class_))},
+    nlohmann::json request = {{"class", std::string(to_string(stop_.cls))},
                               {"node", plan_.me.node_name},
-                              {"reason", stop_reason_},
-                              {"signal", stop_signal_}};
+                              {"reason", stop_.reason},
+                              {"signal", stop_.signal}};
     rdzv_->publish("stop-request", request.dump(), /*only_if_absent=*/true);
   } catch (const std::exception& e) {
     spdlog::warn("warning: publishing the stop request to the other agents: {}", e.what());
@@ -113,9 +106,9 @@ State Agent::checkpoint_stop() {
     spdlog::error("error: {}; the workers cannot be asked to checkpoint", e.what());
     written = false;
   }
-  if (o_.forward_signals && stop_signal_) {
-    spdlog::info("forwarding {} to the workers (--forward-signals)", signal_name(stop_signal_));
-    group_->signal_all(stop_signal_);
+  if (o_.forward_signals && stop_.signal) {
+    spdlog::info("forwarding {} to the workers (--forward-signals)", signal_name(stop_.signal));
+    group_->signal_all(stop_.signal);
   }
   std::vector<WorkerExit> exits = std::move(attempt_exits_);
   attempt_exits_.clear();
@@ -186,12 +179,12 @@ State Agent::checkpoint_stop() {
     }
     if (!everyone) spdlog::warn("warning: not every node reported its checkpoint done in time");
   }
-  const int rc = local_ok ? kCheckpointedExitCode : stop_signal_ ? 128 + stop_signal_ : 1;
+  const int rc = local_ok ? kCheckpointedExitCode : stop_.signal ? 128 + stop_.signal : 1;
   if (round.group_rank == 0) {
     write_outcome(local_ok ? JobOutcome::Checkpointed : JobOutcome::Failed, rc);
-    request_requeue(stop_class_, {}, stop_signal_);
+    request_requeue(stop_.cls, {}, stop_.signal);
     try {
-      rdzv_->close(close_reason(JobOutcome::Checkpointed, to_string(stop_class_)));
+      rdzv_->close(close_reason(JobOutcome::Checkpointed, to_string(stop_.cls)));
     } catch (const std::exception& e) {
       spdlog::warn("warning: closing the rendezvous: {}", e.what());
     }
@@ -333,7 +326,7 @@ void Agent::requeue_after_node_loss() {
   if (!env_.slurm) return;
   std::vector<std::string> lost;
   for (const auto& m : rdzv_->current().members())
-    if (m.node_name != plan_.me.node_name && rdzv::slurm_node_is_down(m.node_name).value_or(false))
+    if (m.node_name != plan_.me.node_name && slurm::node_is_down(m.node_name).value_or(false))
       lost.push_back(m.node_name);
   bool mine = false;
   try {

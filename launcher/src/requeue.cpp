@@ -1,7 +1,5 @@
 #include "requeue.hpp"
 
-#include <slurm/slurm.h>
-#include <slurm/slurm_errno.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -18,97 +16,57 @@
 #include <spdlog/spdlog.h>
 
 #include "elastrun/rdzv/hostlist.hpp"
+#include "elastrun/slurm/api.hpp"
 
 namespace elastrun::launcher {
-namespace {
-
-void slurm_init_once() {
-  static std::once_flag once;
-  std::call_once(once, [] { slurm_init(nullptr); });  // $SLURM_CONF or the default; idempotent
-}
-
-std::optional<std::uint32_t> numeric_job_id(const std::string& job_id) {
-  char* end = nullptr;
-  unsigned long id = std::strtoul(job_id.c_str(), &end, 10);
-  if (job_id.empty() || *end != '\0' || id == 0 || id > 0xfffffff0UL) return std::nullopt;
-  return static_cast<std::uint32_t>(id);
-}
-
-std::string last_slurm_error() { return slurm_strerror(slurm_get_errno()); }
-
-struct JobInfoDeleter {
-  void operator()(job_info_msg_t* m) const { slurm_free_job_info_msg(m); }
-};
-
-}  // namespace
 
 std::optional<SlurmJobView> load_slurm_job(const std::string& job_id) {
-  auto id = numeric_job_id(job_id);
+  const auto id = slurm::numeric_job_id(job_id);
   if (!id) return std::nullopt;
-  slurm_init_once();
-  job_info_msg_t* raw = nullptr;
-  if (slurm_load_job(&raw, *id, SHOW_ALL) != SLURM_SUCCESS || !raw) return std::nullopt;
-  std::unique_ptr<job_info_msg_t, JobInfoDeleter> info(raw);
-  if (info->record_count < 1) return std::nullopt;
-  const auto& job = info->job_array[0];
+  const auto job = slurm::load_job(*id);
+  if (!job) return std::nullopt;
   SlurmJobView view;
-  const auto base = job.job_state & JOB_STATE_BASE;
-  view.cancelled = base == JOB_CANCELLED;
-  view.timed_out = base == JOB_TIMEOUT;
-  view.preempted = base == JOB_PREEMPTED || job.preempt_time != 0;
-  view.restart_count = job.restart_cnt;
-  if (job.batch_flag && job.batch_host && *job.batch_host) {
-    view.batch_host = job.batch_host;
+  view.cancelled = job->cancelled;
+  view.timed_out = job->timed_out;
+  view.preempted = job->preempted;
+  view.restart_count = job->restart_count;
+  if (!job->batch_host.empty()) {
+    view.batch_host = job->batch_host;
     // a node that failed is excised from the job's node list, but BatchHost stays
-    const auto nodes = rdzv::expand_hostlist(job.nodes ? job.nodes : "");
+    const auto nodes = rdzv::expand_hostlist(job->nodes);
     view.batch_host_left = nodes && std::find(nodes->begin(), nodes->end(), view.batch_host) == nodes->end();
   }
   return view;
 }
 
+namespace {
+CallResult result_of(const std::string& error) { return error.empty() ? CallResult{} : CallResult::failed(error); }
+std::string not_numeric(const std::string& job_id) { return fmt::format("'{}' is not a numeric job id", job_id); }
+}  // namespace
+
 CallResult requeue_slurm_job(const std::string& job_id) {
-  auto id = numeric_job_id(job_id);
-  if (!id) return CallResult::failed(fmt::format("'{}' is not a numeric job id", job_id));
-  slurm_init_once();
-  if (slurm_requeue(*id, 0) != SLURM_SUCCESS) return CallResult::failed(last_slurm_error());
-  return {};
+  const auto id = slurm::numeric_job_id(job_id);
+  return id ? result_of(slurm::requeue_job(*id)) : CallResult::failed(not_numeric(job_id));
 }
 
 CallResult complete_slurm_job(const std::string& job_id, int exit_code) {
-  auto id = numeric_job_id(job_id);
-  if (!id) return CallResult::failed(fmt::format("'{}' is not a numeric job id", job_id));
-  slurm_init_once();
-  // a wait()-style status, as salloc passes its command's
-  if (slurm_complete_job(*id, static_cast<std::uint32_t>(exit_code & 0xff) << 8) != SLURM_SUCCESS)
-    return CallResult::failed(last_slurm_error());
-  return {};
+  const auto id = slurm::numeric_job_id(job_id);
+  return id ? result_of(slurm::complete_job(*id, exit_code)) : CallResult::failed(not_numeric(job_id));
 }
 
-std::optional<std::chrono::seconds> slurmd_timeout() {
-  slurm_init_once();
-  slurm_conf_t* conf = nullptr;
-  if (slurm_load_ctl_conf(0, &conf) != SLURM_SUCCESS || !conf) return std::nullopt;
-  const std::chrono::seconds timeout(conf->slurmd_timeout);
-  slurm_free_ctl_conf(conf);
-  return timeout;
-}
+std::optional<std::chrono::seconds> slurmd_timeout() { return slurm::slurmd_timeout(); }
 
 CallResult exclude_nodes_from_job(const std::string& job_id, const std::vector<std::string>& nodes) {
-  auto id = numeric_job_id(job_id);
-  if (!id) return CallResult::failed(fmt::format("'{}' is not a numeric job id", job_id));
+  const auto id = slurm::numeric_job_id(job_id);
+  if (!id) return CallResult::failed(not_numeric(job_id));
   if (nodes.empty()) return {};
-  slurm_init_once();
   std::string list;
   for (const auto& n : nodes) list += (list.empty() ? "" : ",") + n;
   std::string error;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-  do {
-    job_desc_msg_t desc;
-    slurm_init_job_desc_msg(&desc);
-    desc.job_id = *id;
-    desc.exc_nodes = list.data();
-    if (slurm_update_job(&desc) == SLURM_SUCCESS) return {};
-    error = last_slurm_error();
+  do {  // slurmctld may refuse while the job is being requeued: retry briefly
+    error = slurm::exclude_nodes(*id, list);
+    if (error.empty()) return {};
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   } while (std::chrono::steady_clock::now() < deadline);
   return CallResult::failed(error);

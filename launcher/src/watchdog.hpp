@@ -16,6 +16,7 @@
 #include <string>
 
 #include "elastrun/util/unique_fd.hpp"
+#include "elastrun/worker/contract.hpp"
 
 namespace elastrun::launcher {
 
@@ -32,7 +33,7 @@ class Watchdog {
   pid_t pid() const { return pid_; }
   // "ELASTRUN_AGENT_TAG=<agent pid>-<random>": put it in every worker's environment.
   const std::string& environment_entry() const { return environment_entry_; }
-  static constexpr const char* kTagVariable = "ELASTRUN_AGENT_TAG";
+  static constexpr const char* kTagVariable = contract::env::kAgentTag.data();  // the worker contract's name
 
  private:
   void send(int op, pid_t process_group);

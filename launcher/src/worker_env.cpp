@@ -142,7 +142,7 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   if (!a.agent_tag.empty()) env.push_back(a.agent_tag);
   // (an inherited TORCHELASTIC_TIMER_FILE is the same path: the agent created the FIFO there)
   if (!a.timer_file.empty() && std::none_of(inherited.begin(), inherited.end(), [](const std::string& kv) {
-        return kv.starts_with("TORCHELASTIC_TIMER_FILE=");
+        return kv.starts_with(fmt::format("{}=", env_name::kTimerFile));
       }))
     set(env_name::kTimerFile, a.timer_file);
   if (o.hang_timeout.count() > 0) {
@@ -184,7 +184,8 @@ std::vector<WorkerSpec> worker_specs(const AttemptContext& a, const std::vector<
     fs::remove(python_stacks_file(a.attempt_dir, local), ec);
     s.env = inherited;
     if (!a.events_file.empty())  // ours replaces one the user exported; without ours, the user's stays
-      std::erase_if(s.env, [](const std::string& kv) { return kv.starts_with("ELASTRUN_EVENTS_FILE="); });
+      std::erase_if(s.env,
+                    [](const std::string& kv) { return kv.starts_with(fmt::format("{}=", env_name::kEventsFile)); });
     if (o.virtual_local_rank)  // ours narrows it to this worker's device
       std::erase_if(s.env, [](const std::string& kv) { return kv.starts_with("CUDA_VISIBLE_DEVICES="); });
     auto ours = worker_variables(a, local, s.error_file, inherited);

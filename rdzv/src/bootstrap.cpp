@@ -10,6 +10,7 @@
 
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/slurm_api.hpp"
+#include "elastrun/slurm/api.hpp"
 #include "elastrun/util/parse.hpp"
 
 namespace elastrun::rdzv {
@@ -44,7 +45,7 @@ void choose_bind_address(BootstrapPlan& plan, const DetectedEnv& env, const Boot
   if (!o.local_addr.empty()) {
     ip = ipv4_address(o.local_addr), source = "--local-addr=" + o.local_addr;
   } else if (env.slurm) {
-    auto node_addr = slurm_node_addr(plan.me.node_name).value_or(plan.me.address);
+    auto node_addr = slurm::node_addr(plan.me.node_name).value_or(plan.me.address);
     ip = ipv4_address(node_addr), source = fmt::format("Slurm's NodeAddr {} of {}", node_addr, plan.me.node_name);
     if (ip) {
       plan.bind_address = *ip;  // even a loopback NodeAddr: that is where Slurm reaches the node

@@ -2,22 +2,10 @@
 
 #include "elastrun/rdzv/env.hpp"
 
-#include <slurm/slurm.h>
-
-#include <cstdlib>
-#include <memory>
+#include "elastrun/slurm/api.hpp"
 
 namespace elastrun::rdzv {
 namespace {
-
-struct HostlistDeleter {
-  void operator()(hostlist* h) const { slurm_hostlist_destroy(h); }
-};
-using HostlistPtr = std::unique_ptr<hostlist, HostlistDeleter>;
-
-struct FreeDeleter {
-  void operator()(char* p) const { std::free(p); }
-};
 
 // libslurm accepts some malformed input ("n[1-" expands to "n]") and logs others to stderr
 // itself; a node list we cannot trust must be rejected, quietly, with our own one-line error.
@@ -58,20 +46,9 @@ std::optional<std::vector<std::string>> expand_hostlist(std::string_view express
   if (text.find_first_not_of(" \t,") == std::string::npos) return std::nullopt;
   if (!ranges_well_formed(text)) return std::nullopt;
   if (auto n = hostlist_size(text); !n || *n > kMaxHostlistNodes) return std::nullopt;  // never expand 10^8 names
-  HostlistPtr list(slurm_hostlist_create(text.c_str()));
-  if (!list) return std::nullopt;
-  std::vector<std::string> hosts;
-  hosts.reserve(static_cast<std::size_t>(slurm_hostlist_count(list.get())));
-  while (std::unique_ptr<char, FreeDeleter> host{slurm_hostlist_shift(list.get())}) hosts.emplace_back(host.get());
-  return hosts;
+  return slurm::hostlist_expand(text);
 }
 
-std::string compress_hostlist(const std::vector<std::string>& hosts) {
-  HostlistPtr list(slurm_hostlist_create(nullptr));
-  if (!list) return {};
-  for (const auto& h : hosts) slurm_hostlist_push_host(list.get(), h.c_str());
-  std::unique_ptr<char, FreeDeleter> text{slurm_hostlist_ranged_string_malloc(list.get())};
-  return text ? std::string(text.get()) : std::string();
-}
+std::string compress_hostlist(const std::vector<std::string>& hosts) { return slurm::hostlist_compress(hosts); }
 
 }  // namespace elastrun::rdzv

@@ -22,6 +22,7 @@
 #include "elastrun/rdzv/hostlist.hpp"
 #include "elastrun/rdzv/rendezvous.hpp"
 #include "elastrun/rdzv/slurm_api.hpp"
+#include "elastrun/slurm/api.hpp"
 #include "elastrun/rdzv/store.hpp"
 
 using namespace elastrun::rdzv;
@@ -95,7 +96,7 @@ int main(int argc, char** argv) {
       options.fallback_ports = plan.fallback_ports;
       options.run_id = plan.run_id;
       options.auth = auth_config;
-      if (confirm_slurm) options.holder_is_down = slurm_node_is_down;
+      if (confirm_slurm) options.holder_is_down = elastrun::slurm::node_is_down;
       server = std::make_unique<StoreServer>(options);
       emit("store", {{"port", server->port()}});
     }
@@ -106,7 +107,7 @@ int main(int argc, char** argv) {
       StoreServerOptions options;
       options.run_id = plan.run_id;
       options.auth = auth_config;
-      if (confirm_slurm) options.holder_is_down = slurm_node_is_down;
+      if (confirm_slurm) options.holder_is_down = elastrun::slurm::node_is_down;
       standby = std::make_unique<StoreServer>(options);
     }
     plan.me.store_port = server ? server->port() : standby->port();

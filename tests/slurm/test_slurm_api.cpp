@@ -1,7 +1,9 @@
-// libslurm queries used by the rendezvous, against the shared testbed (SLURM_CONF from ctest).
+// The libslurm adapter (elastrun::slurm) and the rendezvous' use of it, against the shared testbed
+// (SLURM_CONF from ctest).
 #include <gtest/gtest.h>
 
 #include "elastrun/rdzv/slurm_api.hpp"
+#include "elastrun/slurm/api.hpp"
 
 using namespace elastrun::rdzv;
 
@@ -13,6 +15,9 @@ TEST(SlurmApi, NodeNamesThatDoNotResolveUseSlurmsNodeAddr) {
 }
 
 TEST(SlurmApi, NodeStateConfirmation) {
-  EXPECT_EQ(slurm_node_is_down("n2"), std::optional<bool>(false)) << "n2 is up on the shared testbed";
-  EXPECT_FALSE(slurm_node_is_down("no-such-node-anywhere").has_value());
+  EXPECT_EQ(elastrun::slurm::node_is_down("n2"), std::optional<bool>(false)) << "n2 is up on the shared testbed";
+  EXPECT_FALSE(elastrun::slurm::node_is_down("no-such-node-anywhere").has_value());
+  EXPECT_TRUE(elastrun::slurm::slurmd_timeout().has_value());
+  EXPECT_FALSE(elastrun::slurm::numeric_job_id("12_3").has_value());
+  EXPECT_EQ(elastrun::slurm::numeric_job_id("42"), 42u);
 }
