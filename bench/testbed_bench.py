@@ -89,7 +89,9 @@ class Bench:
     def start(self, which, mode, name, nnodes):
         out = os.path.join(self.work, f"{name}-{which}-{time.time_ns()}")
         os.makedirs(out)
-        env = dict(self.tb.env, BENCH_TAG="x", ELASTRUN_PYTHON=PY)
+        # the agents' job directory (on by default under Slurm) goes with this run's files, not the cwd
+        env = dict(self.tb.env, BENCH_TAG="x", ELASTRUN_PYTHON=PY, ELASTRUN_JOB_DIR=os.path.join(out, "job-%j"),
+                   ELASTRUN_INDEX_DIR=os.path.join(self.work, "index"))
         log = open(os.path.join(out, "srun.log"), "wb")
         t0 = time.time()
         proc = subprocess.Popen(self.argv(which, mode, out, nnodes, free_port()), env=env, stdout=log,
