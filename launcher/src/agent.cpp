@@ -35,18 +35,22 @@ constexpr Millis kClaimerPatience{10'000};
 
 }  // namespace
 
-std::string_view to_string(State s) {
-  switch (s) {
-    case State::Rendezvous: return "RENDEZVOUS";
-    case State::StartWorkers: return "START_WORKERS";
-    case State::Monitor: return "MONITOR";
-    case State::Succeeded: return "SUCCEEDED";
-    case State::Failed: return "FAILED";
-    case State::MembershipChanged: return "MEMBERSHIP_CHANGED";
-    case State::CheckpointStop: return "CHECKPOINT_STOP";
-    case State::Exit: return "EXIT";
-  }
-  return "?";
+namespace {
+template <class... Handlers>
+struct Overloaded : Handlers... {
+  using Handlers::operator()...;
+};
+}  // namespace
+
+std::string_view state_name(const Transition& t) {
+  return std::visit(
+      Overloaded{
+          [](const states::Rendezvous&) { return "RENDEZVOUS"; },
+          [](const states::StartWorkers&) { return "START_WORKERS"; }, [](const states::Monitor&) { return "MONITOR"; },
+          [](const states::Succeeded&) { return "SUCCEEDED"; }, [](const states::Failed&) { return "FAILED"; },
+          [](const states::MembershipChanged&) { return "MEMBERSHIP_CHANGED"; },
+          [](const states::CheckpointStop&) { return "CHECKPOINT_STOP"; }, [](const states::Exit&) { return "EXIT"; }},
+      t);
 }
 
 // ---- the loop --------------------------------------------------------------------------------
@@ -86,21 +90,21 @@ int Agent::run() {
     spdlog::default_logger()->flush();
   });
 
-  State state = State::Rendezvous;
-  while (state != State::Exit) {
-    switch (state) {
-      case State::Rendezvous: state = rendezvous(); break;
-      case State::StartWorkers: state = start_workers(); break;
-      case State::Monitor: state = monitor(); break;
-      case State::Failed: state = failed(); break;
-      case State::MembershipChanged: state = membership_changed(); break;
-      case State::Succeeded: state = succeeded(); break;
-      case State::CheckpointStop: state = checkpoint_stop(); break;
-      case State::Exit: break;
-    }
+  Transition next = states::Rendezvous{};
+  while (!std::holds_alternative<states::Exit>(next)) {
+    next = std::visit(Overloaded{[this](states::Rendezvous) { return rendezvous(); },
+                                 [this](states::StartWorkers) { return start_workers(); },
+                                 [this](states::Monitor) { return monitor(); },
+                                 [this](states::Failed& s) { return failed(std::move(s)); },
+                                 [this](states::MembershipChanged& s) { return membership_changed(s); },
+                                 [this](states::Succeeded) { return succeeded(); },
+                                 [this](states::CheckpointStop& s) { return checkpoint_stop(std::move(s)); },
+                                 [](states::Exit& s) -> Transition { return s; }},
+                      next);
   }
+  rc_ = std::get<states::Exit>(next).code;
   if (group_) stop_workers(o_.stop_grace);  // every state stops its workers before Exit; never orphan
-  events_.emit(contract::event::kExit, {{"code", rc_}});
+  events().emit(contract::event::kExit, {{"code", rc_}});
   const auto& last = rdzv_->current();
   const bool led_last_round = last.group_world_size > 0 && last.group_rank == 0;
   std::vector<std::string> last_members;
@@ -114,7 +118,7 @@ int Agent::run() {
 }
 
 // RENDEZVOUS: join the next round (the first, or a re-formed one after a failure or a change).
-State Agent::rendezvous() {
+Transition Agent::rendezvous() {
   if (int sig = signals_.stop_signal()) {
     spdlog::info("stopped by {}; exiting {}", signal_name(sig), 128 + sig);
     return exit_with(128 + sig);
@@ -132,31 +136,30 @@ State Agent::rendezvous() {
     const auto formation_ms = std::chrono::duration_cast<Millis>(Clock::now() - t0).count();
     restart_count_ = rdzv_->add_to_counter("restarts", 0);
     for (const auto& m : r.members()) ever_members_.insert(m.node_name);
-    {
-      std::lock_guard lock(status_mutex_);
-      status_.generation = static_cast<std::int64_t>(r.generation);
-      status_.world_size = r.world_size;
-      status_.group_rank = r.group_rank;
-      status_.group_world_size = r.group_world_size;
-      status_.restart_count = restart_count_;
-    }
-    if (events_.enabled()) {
+    runtime_.update_status([&](NodeRuntime::Status& s) {
+      s.generation = static_cast<std::int64_t>(r.generation);
+      s.world_size = r.world_size;
+      s.group_rank = r.group_rank;
+      s.group_world_size = r.group_world_size;
+      s.restart_count = restart_count_;
+    });
+    if (events().enabled()) {
       nlohmann::json members = nlohmann::json::array();
       for (const auto& m : r.members()) members.push_back(m.node_name);
-      events_.emit(contract::event::kRound, {{"generation", r.generation},
-                                             {"world_size", r.world_size},
-                                             {"group_rank", r.group_rank},
-                                             {"group_world_size", r.group_world_size},
-                                             {"members", members},
-                                             {"formation_ms", formation_ms},
-                                             {"master", fmt::format("{}:{}", r.master_addr, r.master_port)},
-                                             {"restart_count", restart_count_}});
+      events().emit(contract::event::kRound, {{"generation", r.generation},
+                                              {"world_size", r.world_size},
+                                              {"group_rank", r.group_rank},
+                                              {"group_world_size", r.group_world_size},
+                                              {"members", members},
+                                              {"formation_ms", formation_ms},
+                                              {"master", fmt::format("{}:{}", r.master_addr, r.master_port)},
+                                              {"restart_count", restart_count_}});
     }
     log_state("RENDEZVOUS",
               fmt::format("round {} formed in {} ms: group rank {} of {}, ranks {}..{} of {}, master {}:{}",
                           r.generation, formation_ms, r.group_rank, r.group_world_size, r.rank_offset,
                           r.rank_offset + o_.nproc_per_node - 1, r.world_size, r.master_addr, r.master_port));
-    return State::StartWorkers;
+    return states::StartWorkers{};
   } catch (const RendezvousClosed& e) {
     const auto outcome = outcome_of_close(e.reason());
     if (rdzv_->current().group_world_size > 0 && outcome != JobOutcome::Succeeded) {
@@ -178,102 +181,85 @@ State Agent::rendezvous() {
 }
 
 // START_WORKERS: this attempt's control channel and worker environment, then the processes.
-State Agent::start_workers() {
+Transition Agent::start_workers() {
   const fs::path attempt_dir = attempt_base_ / fmt::format("attempt_{}", attempt_);
   open_control_channel(attempt_dir);
-  if (!watchdog_) watchdog_.emplace(o_.stop_grace);  // forked once, before the first workers
   const AttemptContext attempt{.options = o_,
                                .round = rdzv_->current(),
                                .run_id = plan_.run_id,
                                .node_name = plan_.me.node_name,
                                .control_file = control_path_,
-                               .events_file = events_.path(),
+                               .events_file = events().path(),
                                .restart_count = restart_count_,
                                .attempt_dir = attempt_dir,
                                .program_path = command_path_,
                                .argv = command_argv_,
-                               .agent_tag = watchdog_->environment_entry(),
+                               .agent_tag = runtime_.agent_tag(),  // forks the watchdog once, before the first workers
                                .argv_program_end = command_argv_program_end_,
                                .numa_nodes = numa_nodes_,
                                .timer_file = file_timer_ ? file_timer_->path().string() : std::string(),
-                               .node_socket = endpoint_ ? endpoint_->address() : std::string()};
+                               .node_socket = runtime_.endpoint_address()};
   attempt_dir_ = attempt_dir;
   killed_by_us_.clear();
   auto specs = worker_specs(attempt, inherited_environment(environ));
   error_files_.clear();
   for (const auto& spec : specs) error_files_.push_back(spec.error_file);
-  attempt_exits_.clear();
   signals_.set_workers_active(true);
-  group_.emplace(std::move(specs), &*watchdog_);
-  {
-    std::lock_guard lock(status_mutex_);
-    status_.worker_pids = group_->pids();
-    status_.attempt = attempt_;
-  }
+  group_.emplace(std::move(specs), runtime_.process_backend());
+  runtime_.update_status([&](NodeRuntime::Status& s) {
+    s.worker_pids = group_->pids();
+    s.attempt = attempt_;
+  });
   std::string pids;
   for (auto p : group_->pids()) pids += fmt::format("{}{}", pids.empty() ? "" : ",", p);
   log_state("START_WORKERS", fmt::format("attempt {} restart {}: {} worker(s) pids {} ({})", attempt_, restart_count_,
                                          o_.nproc_per_node, pids, command_path_));
-  events_.emit(contract::event::kWorkersStarted,
-               {{"attempt", attempt_},
-                {"restart_count", restart_count_},
-                {"ranks", {rdzv_->current().rank_offset, rdzv_->current().rank_offset + o_.nproc_per_node - 1}},
-                {"pids", group_->pids()}});
+  events().emit(contract::event::kWorkersStarted,
+                {{"attempt", attempt_},
+                 {"restart_count", restart_count_},
+                 {"ranks", {rdzv_->current().rank_offset, rdzv_->current().rank_offset + o_.nproc_per_node - 1}},
+                 {"pids", group_->pids()}});
   ++attempt_;
-  return State::Monitor;
+  return states::Monitor{};
 }
 
 // MONITOR: until the workers finish, one fails, a signal arrives or the membership changes.
-State Agent::monitor() {
+Transition Agent::monitor() {
   log_state("MONITOR", "");
+  std::vector<WorkerExit> seen;  // this attempt's exits so far, for CHECKPOINT_STOP
   bool checkpointed = false;
-  change_ = Change::None;
   while (true) {
-    if (int sig = signals_.checkpoint_signal(); sig && !signals_.stop_signal()) {
-      stop_ = stop_for_signal(sig);
-      return State::CheckpointStop;
-    }
+    if (int sig = signals_.checkpoint_signal(); sig && !signals_.stop_signal())
+      return states::CheckpointStop{stop_for_signal(sig), std::move(seen)};
     if (int sig = signals_.stop_signal()) {
       spdlog::info("stopping workers on {} (grace {} ms)", signal_name(sig), o_.stop_grace.count());
       stop_workers(o_.stop_grace);
       return exit_with(128 + sig);
     }
     std::vector<WorkerExit> failures;
-    for (const auto& e : group_->poll_exits()) {
-      record_exit(e);
-      attempt_exits_.push_back(e);
-      if (e.ok()) {
-        spdlog::info("worker {} exited 0", e.global_rank);
-      } else if (e.checkpointed()) {
-        spdlog::info("worker {} exited {}: checkpointed, asks to be requeued", e.global_rank, e.exit_code);
-        checkpointed = true;
-      } else {
-        failures.push_back(e);
-      }
+    for (auto& e : collect_exits(/*record_failures=*/false)) {
+      if (classify(e) == ExitKind::Failed) failures.push_back(e);
+      if (classify(e) == ExitKind::Checkpointed) checkpointed = true;
+      seen.push_back(std::move(e));
     }
     if (auto stop = failures.empty() ? std::nullopt : killed_by_slurm_stop_signal(failures)) {
-      stop_ = std::move(*stop);
       // Slurm signals every process of the step: a worker without a handler dies of the
       // SIGUSR1/SIGTERM that is also on its way to us. Not an application failure.
       spdlog::info("worker(s) killed by {}: waiting for the agent's own copy of the signal",
                    signal_name(failures.front().signal));
-      return State::CheckpointStop;
+      return states::CheckpointStop{std::move(*stop), std::move(seen)};
     }
-    for (const auto& e : failures) record(e);
-    if (!failures.empty()) return State::Failed;
-    if (checkpointed) {
-      stop_ = {FailureClass::TimeLimit, 0,
-               fmt::format("a worker exited {} (checkpointed)", elastrun::control::kCheckpointedExitCode)};
-      return State::CheckpointStop;
-    }
-    if (group_->all_exited()) return State::Succeeded;
-    if (auto stop = stop_requested_elsewhere()) {
-      stop_ = std::move(*stop);
-      return State::CheckpointStop;
-    }
+    if (!failures.empty()) return states::Failed{std::move(failures)};
+    if (checkpointed)
+      return states::CheckpointStop{
+          {FailureClass::TimeLimit, 0,
+           fmt::format("a worker exited {} (checkpointed)", elastrun::control::kCheckpointedExitCode)},
+          std::move(seen)};
+    if (group_->all_exited()) return states::Succeeded{};
+    if (auto stop = stop_requested_elsewhere()) return states::CheckpointStop{std::move(*stop), std::move(seen)};
     watch_for_hangs();
-    change_ = wait_for_change(o_.monitor_interval);
-    if (change_ != Change::None) return State::MembershipChanged;
+    if (const Change change = wait_for_change(o_.monitor_interval); change != Change::None)
+      return states::MembershipChanged{change};
   }
 }
 
@@ -281,15 +267,13 @@ State Agent::monitor() {
 // (a membership change during a short settle window, the round's restart claim, the job-wide
 // restart count), whether this is a restart, a re-form, or the end. The other local workers
 // keep running until then.
-State Agent::failed() {
+Transition Agent::failed(states::Failed entered) {
+  for (const auto& e : entered.failures) record(e);
   log_state("FAILED", failures_.last().one_line());
   FailedObservation seen;
   seen.settle_change = wait_for_change(kFailureSettle);
   seen.max_restarts = o_.max_restarts;
-  for (const auto& e : group_->poll_exits()) {
-    record_exit(e);
-    if (!e.ok()) record(e);
-  }
+  collect_exits();  // the other local workers may have failed meanwhile
   auto action = next_failed_action(seen);
   for (; action == FailedAction::ClaimRestart || action == FailedAction::CountRestart;
        action = next_failed_action(seen)) {
@@ -299,10 +283,10 @@ State Agent::failed() {
       seen.restarts = rdzv_->add_to_counter("restarts", 1);
   }
   Change change = seen.settle_change;
-  events_.emit(contract::event::kFailureDecision, {{"action", to_string(action)},
-                                                   {"settle_change", to_string(seen.settle_change)},
-                                                   {"restarts", seen.restarts.value_or(-1)},
-                                                   {"max_restarts", o_.max_restarts}});
+  events().emit(contract::event::kFailureDecision, {{"action", to_string(action)},
+                                                    {"settle_change", to_string(seen.settle_change)},
+                                                    {"restarts", seen.restarts.value_or(-1)},
+                                                    {"max_restarts", o_.max_restarts}});
   switch (action) {
     case FailedAction::ExitClosed:  // someone gave up: stop, report, exit with the close reason
       break;
@@ -350,23 +334,23 @@ State Agent::failed() {
       return exit_with(closed_exit(e));
     }
   }
-  return State::Rendezvous;
+  return states::Rendezvous{};
 }
 
 // MEMBERSHIP_CHANGED: a member was lost, one waits to join, or another agent asked for a new
 // round: stop the workers (after a scale-up checkpoint when a node joins) and re-form.
-State Agent::membership_changed() {
+Transition Agent::membership_changed(states::MembershipChanged entered) {
   log_state("MEMBERSHIP_CHANGED",
-            change_ == Change::Closed
+            entered.change == Change::Closed
                 ? std::string("rendezvous closed by another agent: stopping workers")
-                : fmt::format("{}: stopping workers, re-forming (no restart counted)", to_string(change_)));
-  if (change_ == Change::MemberWaiting && o_.scale_up_checkpoint) change_ = checkpoint_before_scale_up();
+                : fmt::format("{}: stopping workers, re-forming (no restart counted)", to_string(entered.change)));
+  if (entered.change == Change::MemberWaiting && o_.scale_up_checkpoint) checkpoint_before_scale_up();
   stop_workers(o_.stop_grace);
-  return State::Rendezvous;
+  return states::Rendezvous{};
 }
 
 // SUCCEEDED: every local worker exited 0; wait for the other nodes, then group rank 0 closes.
-State Agent::succeeded() {
+Transition Agent::succeeded() {
   if (group_) stop_workers(Millis(0));  // all exited; drains the output relay
   log_state("SUCCEEDED", fmt::format("all {} local worker(s) exited 0; exit barrier", o_.nproc_per_node));
   bool passed = false;
@@ -417,6 +401,21 @@ std::vector<WorkerExit> Agent::stop_workers(Millis grace) {
   return exits;
 }
 
+std::vector<WorkerExit> Agent::collect_exits(bool record_failures) {
+  auto exits = group_->poll_exits();
+  for (const auto& e : exits) {
+    record_exit(e);
+    switch (classify(e)) {
+      case ExitKind::Finished: spdlog::info("worker {} exited 0", e.global_rank); break;
+      case ExitKind::Checkpointed: spdlog::info("worker {} exited {}: checkpointed", e.global_rank, e.exit_code); break;
+      case ExitKind::Failed:
+        if (record_failures) record(e);
+        break;
+    }
+  }
+  return exits;
+}
+
 void Agent::record(const WorkerExit& e) {
   const auto local = static_cast<std::size_t>(e.local_rank);
   const std::string error_file = local < error_files_.size() ? error_files_[local] : std::string();
@@ -442,8 +441,8 @@ void Agent::watch_for_hangs() {
       }
       spdlog::warn("pid {}: FileTimer '{}' expired: sending it {}", t.pid, t.scope, signal_name(t.signal));
       killed_by_us_[t.pid] = {fmt::format("its torch FileTimer '{}' expired", t.scope), ""};
-      events_.emit(contract::event::kTimerExpired,
-                   {{"pid", t.pid}, {"scope", t.scope}, {"signal", signal_name(t.signal)}});
+      events().emit(contract::event::kTimerExpired,
+                    {{"pid", t.pid}, {"scope", t.scope}, {"signal", signal_name(t.signal)}});
       if (::kill(t.pid, t.signal) != 0 && errno != ESRCH)
         spdlog::warn("warning: kill({}, {}): {}", t.pid, t.signal, std::strerror(errno));
     }
@@ -486,11 +485,11 @@ void Agent::watch_for_hangs() {
     killed_by_us_[pid] = {fmt::format("no progress for {:.0f} s (--hang-timeout {:g}); stacks in {}", now - *last,
                                       timeout, stacks_path.string()),
                           stacks.substr(0, 16384)};
-    events_.emit(contract::event::kHang, {{"rank", rank},
-                                          {"pid", pid},
-                                          {"since_progress_s", now - *last},
-                                          {"last_step", last_step ? nlohmann::json(*last_step) : nlohmann::json()},
-                                          {"stacks", stacks_path.string()}});
+    events().emit(contract::event::kHang, {{"rank", rank},
+                                           {"pid", pid},
+                                           {"since_progress_s", now - *last},
+                                           {"last_step", last_step ? nlohmann::json(*last_step) : nlohmann::json()},
+                                           {"stacks", stacks_path.string()}});
     ::kill(-pid, SIGKILL);  // its process group (workers lead their own)
     ::kill(pid, SIGKILL);
     return;  // one at a time: its failure stops and restarts the others
@@ -505,12 +504,13 @@ int Agent::closed_exit(const RendezvousClosed& closed) {
 
 void Agent::log_state(std::string_view name, const std::string& what) {
   {
-    std::lock_guard lock(status_mutex_);
-    status_.state = name;
-    if (!group_) status_.worker_pids.clear();
+    runtime_.update_status([&](NodeRuntime::Status& s) {
+      s.state = name;
+      if (!group_) s.worker_pids.clear();
+    });
   }
   spdlog::info("state {}{}{}", name, what.empty() ? "" : " ", what);
-  events_.emit(contract::event::kState, {{"state", name}, {"detail", what}});
+  events().emit(contract::event::kState, {{"state", name}, {"detail", what}});
 }
 
 // srun's exit code is not the job's outcome when Slurm ended tasks on nodes that left the job (a
@@ -545,21 +545,21 @@ Change Agent::wait_for_change(Millis timeout) {
     const auto& loss = *rdzv_->last_loss();
     nlohmann::ordered_json fields = {{"member", loss.node_name}, {"how", loss.how}};
     if (loss.since_heartbeat_ms) fields["since_heartbeat_ms"] = *loss.since_heartbeat_ms;
-    events_.emit(contract::event::kMemberLost, fields);
+    events().emit(contract::event::kMemberLost, fields);
   } else if (change == Change::StoreLost) {
     // the store's host (often group rank 0's node) is gone: its member keys went with it
     const auto& node = rdzv_->store_node().empty() ? plan_.store_host : rdzv_->store_node();
-    events_.emit(contract::event::kStoreLost, {{"store_node", node}});
+    events().emit(contract::event::kStoreLost, {{"store_node", node}});
   }
   return change;
 }
 
 void Agent::record_exit(const WorkerExit& e) {
-  events_.emit(contract::event::kWorkerExit, {{"rank", e.global_rank},
-                                              {"local_rank", e.local_rank},
-                                              {"pid", e.pid},
-                                              {"exit_code", e.exit_code},
-                                              {"signal", e.signal ? signal_name(e.signal) : ""}});
+  events().emit(contract::event::kWorkerExit, {{"rank", e.global_rank},
+                                               {"local_rank", e.local_rank},
+                                               {"pid", e.pid},
+                                               {"exit_code", e.exit_code},
+                                               {"signal", e.signal ? signal_name(e.signal) : ""}});
 }
 
 }  // namespace elastrun::launcher

@@ -8,6 +8,12 @@
 //                                         -> MEMBERSHIP_CHANGED -> RENDEZVOUS
 //                                         -> CHECKPOINT_STOP    -> exit 85 (requeue) | SUCCEEDED
 //
+// Each state method returns the next state as a value that carries what the next state needs
+// (a Transition: the std::variant of the payloads in `states`, as torch's RunResult carries a
+// run's outcome): FAILED gets the failed exits, MEMBERSHIP_CHANGED the change, CHECKPOINT_STOP
+// why it was entered and the exits seen before, EXIT the code. What must outlive an attempt (the
+// reaper, watchdog, process backend, event log, node endpoint) is the NodeRuntime's
+// (node_runtime.hpp); worker exits are classified by one function (workers.hpp: classify).
 // RESTART is a logged transition of FAILED ("state RESTART restart N of M"), not a state of
 // its own. The FAILED decision is restart_policy.hpp's pure function; signals are signals.hpp's;
 // the worker environment is worker_env.hpp's; failures and the job-wide summary are
@@ -26,6 +32,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "control_file.hpp"
@@ -34,10 +41,10 @@
 #include "elastrun/rdzv/env.hpp"
 #include "elastrun/rdzv/rendezvous.hpp"
 #include "events.hpp"
-#include "node_endpoint.hpp"
 #include "failure_report.hpp"
 #include "hang_watch.hpp"
 #include "job_outcome.hpp"
+#include "node_runtime.hpp"
 #include "options.hpp"
 #include "signals.hpp"
 #include "workers.hpp"
@@ -49,8 +56,37 @@ namespace elastrun::launcher {
 // line, 85 workers checkpointed and stopped, 128+N stopped by signal N.
 int run_agent(int argc, char** argv);
 
-enum class State { Rendezvous, StartWorkers, Monitor, Succeeded, Failed, MembershipChanged, CheckpointStop, Exit };
-std::string_view to_string(State s);  // "RENDEZVOUS", ...
+// Why CHECKPOINT_STOP was entered; each way there makes one.
+struct StopRequest {
+  FailureClass cls = FailureClass::TimeLimit;
+  int signal = 0;  // the signal that asked for it, 0 if a worker or a peer did
+  std::string reason;
+};
+
+// The states, each with the data it is entered with.
+namespace states {
+struct Rendezvous {};
+struct StartWorkers {};
+struct Monitor {};
+struct Succeeded {};
+struct Failed {
+  std::vector<WorkerExit> failures;  // the local failures that ended MONITOR
+};
+struct MembershipChanged {
+  rdzv::Change change = rdzv::Change::None;
+};
+struct CheckpointStop {
+  StopRequest why;
+  std::vector<WorkerExit> exits;  // this attempt's exits seen before (a worker's exit 85, ...)
+};
+struct Exit {
+  int code = 1;
+};
+}  // namespace states
+
+using Transition = std::variant<states::Rendezvous, states::StartWorkers, states::Monitor, states::Succeeded,
+                                states::Failed, states::MembershipChanged, states::CheckpointStop, states::Exit>;
+std::string_view state_name(const Transition& t);  // "RENDEZVOUS", ...
 
 // A directory removed with everything in it when the agent ends (error files without --log-dir).
 class TempDir {
@@ -68,7 +104,7 @@ class TempDir {
 class Agent {
  public:
   Agent(const AgentOptions& options, const rdzv::DetectedEnv& env, AgentSignals& signals)
-      : o_(options), env_(env), signals_(signals) {}
+      : o_(options), env_(env), signals_(signals), runtime_(options.stop_grace) {}
   ~Agent();  // removes the run's generated token file if this agent hosted the store
   Agent(const Agent&) = delete;
   Agent& operator=(const Agent&) = delete;
@@ -78,25 +114,20 @@ class Agent {
   using Clock = std::chrono::steady_clock;
 
   // ---- the states (agent.cpp) ----
-  State rendezvous();
-  State start_workers();
-  State monitor();
-  State failed();
-  State membership_changed();
-  State succeeded();
-  State checkpoint_stop();  // agent_stop.cpp
-  State exit_with(int rc) {
-    rc_ = rc;
-    return State::Exit;
-  }
+  Transition rendezvous();
+  Transition start_workers();
+  Transition monitor();
+  Transition failed(states::Failed entered);
+  Transition membership_changed(states::MembershipChanged entered);
+  Transition succeeded();
+  Transition checkpoint_stop(states::CheckpointStop entered);  // agent_stop.cpp
+  static Transition exit_with(int rc) { return states::Exit{rc}; }
 
   // ---- set-up (agent_setup.cpp) ----
   void resolve_command();
   void bootstrap();
   void choose_auth(bool standalone);
-  void use_job_dir();            // the job directory's defaults for the event log, logs and outcome file
-  void start_node_endpoint();    // the node's endpoint (node_endpoint.hpp), for the whole job
-  nlohmann::json node_status();  // what it answers to "status" (its own thread)
+  void use_job_dir();  // the job directory's defaults for the event log, logs and outcome file
   void open_event_log();
   void linger_for_peers();
 
@@ -104,6 +135,9 @@ class Agent {
   void open_control_channel(const std::filesystem::path& attempt_dir);
   void write_control(elastrun::control::Request request);
   std::vector<WorkerExit> stop_workers(std::chrono::milliseconds grace);
+  // Every new exit of the group: its event, one log line by its classify() kind, and each failure
+  // recorded (failure report, store) unless `record_failures` is false. Returns them.
+  std::vector<WorkerExit> collect_exits(bool record_failures = true);
   void record(const WorkerExit& e);
   void watch_for_hangs();  // MONITOR: expired FileTimers, --hang-timeout (hang_watch.hpp)
   void print_summary() { failures_.print_summary(rdzv_.get(), plan_.run_id, o_.max_restarts); }
@@ -114,15 +148,12 @@ class Agent {
   void write_outcome(JobOutcome outcome, int exit_code);            // --outcome-file, group rank 0
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
-  // Why CHECKPOINT_STOP was entered; each way there returns one (the transition's data).
-  struct StopRequest {
-    FailureClass cls = FailureClass::TimeLimit;
-    int signal = 0;  // the signal that asked for it, 0 if a worker or a peer did
-    std::string reason;
-  };
   static StopRequest stop_for_signal(int sig, std::string_view detail = {});  // Slurm's warning, preemption
   std::optional<StopRequest> killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits);
-  std::optional<StopRequest> stop_requested_elsewhere();  // a peer's request, published in the store
+  std::optional<StopRequest> stop_requested_elsewhere();   // a peer's request, published in the store
+  bool ask_workers_to_checkpoint(const StopRequest& why);  // false: they cannot be asked
+  void await_checkpoint(std::vector<WorkerExit>& exits);   // up to --checkpoint-timeout
+  void meet_after_checkpoint();                            // the other agents, bounded
   rdzv::Change checkpoint_before_scale_up();
   bool request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal);
   void requeue_failed_job();
@@ -150,8 +181,8 @@ class Agent {
   int attempt_ = 0;                // local starts of the workers, for per-attempt files
   std::int64_t restart_count_ = 0;
   FailureReport failures_;
-  EventLog events_;
-  std::optional<Watchdog> watchdog_;  // before group_: the group holds a pointer to it
+  NodeRuntime runtime_;  // for the whole job; before group_, which uses its backend
+  EventLog& events() { return runtime_.events(); }
   std::optional<WorkerGroup> group_;
   std::vector<std::string> error_files_;  // this attempt's, by local rank
   // hung workers (hang_watch.hpp): torch's FileTimer FIFO, --hang-timeout progress files
@@ -159,29 +190,15 @@ class Agent {
   std::filesystem::path attempt_dir_;                                  // this attempt's directory
   std::map<pid_t, std::pair<std::string, std::string>> killed_by_us_;  // pid -> (why, stacks)
   double next_hang_check_ = 0;
-  std::vector<WorkerExit> attempt_exits_;     // this attempt's exits seen in MONITOR
-  rdzv::Change change_ = rdzv::Change::None;  // what MONITOR saw, for MEMBERSHIP_CHANGED
-  int rc_ = 1;
+  int rc_ = 1;  // the code of the final Exit
   // checkpoint-and-stop (state CHECKPOINT_STOP)
   std::string control_path_;  // this attempt's control file (ELASTRUN_CONTROL_FILE)
   std::uint64_t control_sequence_ = 0;
-  StopRequest stop_;  // set by the transition into CHECKPOINT_STOP (MONITOR), read by it
   Clock::time_point next_stop_poll_{};
   // requeue: once per agent, from the main thread or the signal thread (request_requeue)
   std::mutex requeue_mutex_;
   bool requeue_attempted_ = false, requeued_ = false;
   std::set<std::string> ever_members_;  // nodes of every round so far (end_job_if_batch_script_lost)
-  // The node endpoint's view of this agent: written by the state machine, read by the endpoint's
-  // thread (status queries are answered while the state machine waits).
-  struct NodeStatus {
-    std::string state;
-    std::int64_t generation = 0, restart_count = 0;
-    int world_size = 0, group_rank = -1, group_world_size = 0, attempt = -1;
-    std::vector<pid_t> worker_pids;
-  };
-  std::mutex status_mutex_;
-  NodeStatus status_;
-  std::unique_ptr<NodeEndpoint> endpoint_;  // last member: stopped first, before what it reads
 };
 
 }  // namespace elastrun::launcher

@@ -120,7 +120,9 @@ void Agent::bootstrap() {
   open_event_log();
   if (!etcd) choose_auth(standalone);
   if (!plan_.bind_note.empty() && !etcd) spdlog::warn("warning: {}", plan_.bind_note);
-  start_node_endpoint();  // after the usage errors (one line each), before any wait for the store
+  // the node's endpoint, for the whole job: after the usage errors (one line each), before any
+  // wait for the store; @elastrun-node-<pid>-<node>, nothing on disk, our workers get its address
+  runtime_.serve_endpoint({.node = plan_.me.node_name, .run_id = plan_.run_id, .job_dir = job_dir_});
 
   std::unique_ptr<KvBackend> kv, hb;
   StoreConnector connector;
@@ -193,39 +195,6 @@ void Agent::use_job_dir() {
   spdlog::info("job directory {} (events, logs, outcome)", job_dir_);
 }
 
-// The node's endpoint, for the whole job: @elastrun-node-<pid>-<node> in the abstract namespace
-// (nothing on disk; gone with us, even after kill -9). Our workers get its address. Not vital
-// today: if it cannot be had, the job goes on without it (one warning).
-void Agent::start_node_endpoint() {
-  const std::string address = default_node_address(static_cast<int>(::getpid()), plan_.me.node_name);
-  try {
-    endpoint_ = std::make_unique<NodeEndpoint>(address, [this](const nlohmann::json& request) {
-      const std::string op = request.value("op", "");
-      if (op == "status") return node_status();
-      throw std::invalid_argument(fmt::format("unknown op '{}' (this agent knows: status)", op));
-    });
-    spdlog::info("node endpoint {}", address);
-  } catch (const std::exception& e) {
-    spdlog::warn("warning: no node endpoint ({}); status queries will not be answered", e.what());
-  }
-}
-
-nlohmann::json Agent::node_status() {
-  std::lock_guard lock(status_mutex_);
-  return {{"node", plan_.me.node_name},
-          {"run_id", plan_.run_id},
-          {"pid", ::getpid()},
-          {"state", status_.state},
-          {"generation", status_.generation},
-          {"world_size", status_.world_size},
-          {"group_rank", status_.group_rank},
-          {"group_world_size", status_.group_world_size},
-          {"restart_count", status_.restart_count},
-          {"attempt", status_.attempt},
-          {"worker_pids", status_.worker_pids},
-          {"job_dir", job_dir_}};
-}
-
 // --events, or <--log-dir>/events-<node>.jsonl: opened before anything else happens, so a path
 // that cannot be written is a usage error (exit 2) rather than a silent gap in the log.
 void Agent::open_event_log() {
@@ -234,7 +203,7 @@ void Agent::open_event_log() {
     path = (fs::path(o_.log_dir) / fmt::format("events-{}.jsonl", plan_.me.node_name)).string();
   if (path.empty()) return;
   try {
-    events_ = EventLog(fs::absolute(path).string(), plan_.me.node_name, plan_.run_id);
+    runtime_.open_event_log(fs::absolute(path).string(), plan_.me.node_name, plan_.run_id);
   } catch (const std::system_error& e) {
     throw UsageError(fmt::format("--events: {} ({}); give a writable path", e.what(),
                                  o_.events.empty() ? "from --log-dir" : "--events"));

@@ -38,7 +38,7 @@ std::string_view why_of_stop_signal(int sig) {
 
 }  // namespace
 
-Agent::StopRequest Agent::stop_for_signal(int sig, std::string_view detail) {
+StopRequest Agent::stop_for_signal(int sig, std::string_view detail) {
   return {class_of_stop_signal(sig), sig,
           fmt::format("{} ({}{}{})", signal_name(sig), why_of_stop_signal(sig), detail.empty() ? "" : "; ", detail)};
 }
@@ -46,7 +46,7 @@ Agent::StopRequest Agent::stop_for_signal(int sig, std::string_view detail) {
 // True if every exit in `exits` is a death by SIGUSR1/SIGUSR2/SIGTERM and the agent itself
 // receives such a signal within kSlurmSignalSettle (then the stop is Slurm's, not a failure).
 // Returns the stop it is.
-std::optional<Agent::StopRequest> Agent::killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits) {
+std::optional<StopRequest> Agent::killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits) {
   for (const auto& e : exits)
     if (!is_checkpoint_signal(e.signal)) return std::nullopt;
   const auto deadline = Clock::now() + kSlurmSignalSettle;
@@ -59,7 +59,7 @@ std::optional<Agent::StopRequest> Agent::killed_by_slurm_stop_signal(const std::
 
 // Another agent's checkpoint-and-stop request (published in the store), looked for once per
 // kStopRequestPoll: a node whose agent got no signal (or whose worker asked) stops with the rest.
-std::optional<Agent::StopRequest> Agent::stop_requested_elsewhere() {
+std::optional<StopRequest> Agent::stop_requested_elsewhere() {
   if (rdzv_->current().group_world_size <= 1) return std::nullopt;
   const auto now = Clock::now();
   if (now < next_stop_poll_) return std::nullopt;
@@ -82,19 +82,59 @@ std::optional<Agent::StopRequest> Agent::stop_requested_elsewhere() {
 // CHECKPOINT_STOP: ask the local workers to checkpoint and stop (control channel; the signal
 // too with --forward-signals), wait up to --checkpoint-timeout, meet the other agents, and on
 // group rank 0 requeue the job. Exits, or goes to SUCCEEDED when the workers finished instead.
-State Agent::checkpoint_stop() {
+Transition Agent::checkpoint_stop(states::CheckpointStop entered) {
+  const StopRequest& why = entered.why;
+  std::vector<WorkerExit> exits = std::move(entered.exits);
   signals_.set_checkpoint_stopping(true);
+  if (ask_workers_to_checkpoint(why) || group_->all_exited()) await_checkpoint(exits);
+  for (auto& e : stop_workers(o_.stop_grace)) exits.push_back(std::move(e));
+  const auto tally = tally_checkpoint(exits, o_.nproc_per_node);
+  const int local = o_.nproc_per_node;
+  events().emit(contract::event::kCheckpointOutcome, {{"kind", "stop"},
+                                                      {"checkpointed", tally.checkpointed},
+                                                      {"finished", tally.finished},
+                                                      {"local_workers", local},
+                                                      {"complete", tally.complete}});
+  if (tally.all_finished) {
+    spdlog::info("every local worker finished (exit 0) instead of checkpointing: the job succeeded");
+    signals_.set_checkpoint_stopping(false);
+    return states::Succeeded{};
+  }
+  spdlog::info("{} of {} local worker(s) checkpointed (exit {}), {} finished (exit 0)", tally.checkpointed, local,
+               kCheckpointedExitCode, tally.finished);
+  // group rank 0 requeues only when every node is done: a requeue kills the job's steps
+  meet_after_checkpoint();
+  const int rc = tally.complete ? kCheckpointedExitCode : why.signal ? 128 + why.signal : 1;
+  if (rdzv_->current().group_rank == 0) {
+    write_outcome(tally.complete ? JobOutcome::Checkpointed : JobOutcome::Failed, rc);
+    request_requeue(why.cls, {}, why.signal);
+    try {
+      rdzv_->close(close_reason(JobOutcome::Checkpointed, to_string(why.cls)));
+    } catch (const std::exception& e) {
+      spdlog::warn("warning: closing the rendezvous: {}", e.what());
+    }
+  }
+  spdlog::info("{}; exiting {}", tally.complete ? "checkpointed and stopped" : "stopped without a complete checkpoint",
+               rc);
+  return exit_with(rc);
+}
+
+// CHECKPOINT_STOP's request: the state and its event, the other agents (a stop request in the
+// store), the local workers (the control channel; the signal with --forward-signals). False when
+// the workers cannot be asked (they never polled the channel, or it cannot be written): they are
+// then stopped without a checkpoint.
+bool Agent::ask_workers_to_checkpoint(const StopRequest& why) {
   const bool channel_read = fs::exists(control_path_ + elastrun::control::kSeenSuffix);
-  log_state("CHECKPOINT_STOP", fmt::format("class {}: {}", to_string(stop_.cls), stop_.reason));
-  events_.emit(contract::event::kCheckpointRequest, {{"kind", "stop"},
-                                                     {"class", to_string(stop_.cls)},
-                                                     {"reason", stop_.reason},
-                                                     {"signal", stop_.signal ? signal_name(stop_.signal) : ""}});
+  log_state("CHECKPOINT_STOP", fmt::format("class {}: {}", to_string(why.cls), why.reason));
+  events().emit(contract::event::kCheckpointRequest, {{"kind", "stop"},
+                                                      {"class", to_string(why.cls)},
+                                                      {"reason", why.reason},
+                                                      {"signal", why.signal ? signal_name(why.signal) : ""}});
   try {
-    nlohmann::json request = {{"class", std::string(to_string(stop_.cls))},
+    nlohmann::json request = {{"class", std::string(to_string(why.cls))},
                               {"node", plan_.me.node_name},
-                              {"reason", stop_.reason},
-                              {"signal", stop_.signal}};
+                              {"reason", why.reason},
+                              {"signal", why.signal}};
     rdzv_->publish("stop-request", request.dump(), /*only_if_absent=*/true);
   } catch (const std::exception& e) {
     spdlog::warn("warning: publishing the stop request to the other agents: {}", e.what());
@@ -106,91 +146,51 @@ State Agent::checkpoint_stop() {
     spdlog::error("error: {}; the workers cannot be asked to checkpoint", e.what());
     written = false;
   }
-  if (o_.forward_signals && stop_.signal) {
-    spdlog::info("forwarding {} to the workers (--forward-signals)", signal_name(stop_.signal));
-    group_->signal_all(stop_.signal);
+  if (o_.forward_signals && why.signal) {
+    spdlog::info("forwarding {} to the workers (--forward-signals)", signal_name(why.signal));
+    group_->signal_all(why.signal);
   }
-  std::vector<WorkerExit> exits = std::move(attempt_exits_);
-  attempt_exits_.clear();
-  if (((!channel_read || !written) && !o_.forward_signals) && !group_->all_exited()) {
+  if ((channel_read && written) || o_.forward_signals) return true;
+  if (!group_->all_exited())
     spdlog::info(
         "the workers never polled {} (elastrun/control.hpp, elastrun_control.py): stopping them without "
         "a checkpoint (grace {} ms)",
         control_path_, o_.stop_grace.count());
-  } else {
-    spdlog::info("wrote checkpoint-and-stop to {}; waiting up to {} s for the workers to exit {}", control_path_,
-                 o_.checkpoint_timeout.count() / 1000, kCheckpointedExitCode);
-    const auto deadline = Clock::now() + o_.checkpoint_timeout;
-    while (true) {
-      for (auto& e : group_->poll_exits()) {
-        record_exit(e);
-        if (e.checkpointed())
-          spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
-        else if (e.ok())
-          spdlog::info("worker {} exited 0", e.global_rank);
-        else
-          record(e);
-        exits.push_back(std::move(e));
-      }
-      if (group_->all_exited()) break;
-      if (int sig = signals_.stop_signal()) {
-        spdlog::info("received {} while waiting for the checkpoint: stopping the workers now", signal_name(sig));
-        break;
-      }
-      if (Clock::now() >= deadline) {
-        spdlog::warn("warning: the workers did not all exit within --checkpoint-timeout={} s: stopping them",
-                     o_.checkpoint_timeout.count() / 1000);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return false;
+}
+
+// Until every local worker exited, a stop signal, or --checkpoint-timeout; adds their exits.
+void Agent::await_checkpoint(std::vector<WorkerExit>& exits) {
+  spdlog::info("wrote checkpoint-and-stop to {}; waiting up to {} s for the workers to exit {}", control_path_,
+               o_.checkpoint_timeout.count() / 1000, kCheckpointedExitCode);
+  const auto deadline = Clock::now() + o_.checkpoint_timeout;
+  while (true) {
+    for (auto& e : collect_exits()) exits.push_back(std::move(e));
+    if (group_->all_exited()) return;
+    if (int sig = signals_.stop_signal()) {
+      spdlog::info("received {} while waiting for the checkpoint: stopping the workers now", signal_name(sig));
+      return;
     }
-  }
-  for (auto& e : stop_workers(o_.stop_grace)) exits.push_back(std::move(e));
-  int checkpointed = 0, succeeded = 0;
-  for (const auto& e : exits) {
-    if (e.checkpointed())
-      ++checkpointed;
-    else if (e.ok())
-      ++succeeded;
-  }
-  const int local = o_.nproc_per_node;
-  events_.emit(contract::event::kCheckpointOutcome,
-               {{"kind", "stop"},
-                {"checkpointed", checkpointed},
-                {"finished", succeeded},
-                {"local_workers", local},
-                {"complete", checkpointed > 0 && checkpointed + succeeded == local}});
-  if (succeeded == local) {
-    spdlog::info("every local worker finished (exit 0) instead of checkpointing: the job succeeded");
-    signals_.set_checkpoint_stopping(false);
-    return State::Succeeded;
-  }
-  const bool local_ok = checkpointed > 0 && checkpointed + succeeded == local;
-  spdlog::info("{} of {} local worker(s) checkpointed (exit {}), {} finished (exit 0)", checkpointed, local,
-               kCheckpointedExitCode, succeeded);
-  // group rank 0 requeues only when every node is done: a requeue kills the job's steps
-  const auto& round = rdzv_->current();
-  if (round.group_world_size > 1) {
-    bool everyone = false;
-    try {
-      everyone = rdzv_->barrier("checkpoint-stop", o_.checkpoint_timeout + kCheckpointBarrierSlack);
-    } catch (const std::exception& e) {
-      spdlog::warn("warning: checkpoint barrier: {}", e.what());
+    if (Clock::now() >= deadline) {
+      spdlog::warn("warning: the workers did not all exit within --checkpoint-timeout={} s: stopping them",
+                   o_.checkpoint_timeout.count() / 1000);
+      return;
     }
-    if (!everyone) spdlog::warn("warning: not every node reported its checkpoint done in time");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  const int rc = local_ok ? kCheckpointedExitCode : stop_.signal ? 128 + stop_.signal : 1;
-  if (round.group_rank == 0) {
-    write_outcome(local_ok ? JobOutcome::Checkpointed : JobOutcome::Failed, rc);
-    request_requeue(stop_.cls, {}, stop_.signal);
-    try {
-      rdzv_->close(close_reason(JobOutcome::Checkpointed, to_string(stop_.cls)));
-    } catch (const std::exception& e) {
-      spdlog::warn("warning: closing the rendezvous: {}", e.what());
-    }
+}
+
+// After the local checkpoint: every node of a multi-node round reports it done (bounded), so that
+// group rank 0's requeue does not kill steps that are still saving.
+void Agent::meet_after_checkpoint() {
+  if (rdzv_->current().group_world_size <= 1) return;
+  bool everyone = false;
+  try {
+    everyone = rdzv_->barrier("checkpoint-stop", o_.checkpoint_timeout + kCheckpointBarrierSlack);
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: checkpoint barrier: {}", e.what());
   }
-  spdlog::info("{}; exiting {}", local_ok ? "checkpointed and stopped" : "stopped without a complete checkpoint", rc);
-  return exit_with(rc);
+  if (!everyone) spdlog::warn("warning: not every node reported its checkpoint done in time");
 }
 
 // A node waits to join and every member is alive: the re-forming is planned, so workers that read
@@ -212,30 +212,24 @@ Change Agent::checkpoint_before_scale_up() {
   }
   spdlog::info("scale-up: asked the workers to checkpoint and stop before re-forming (up to {} s)",
                o_.checkpoint_timeout.count() / 1000);
-  events_.emit(contract::event::kCheckpointRequest, {{"kind", "scale_up"}, {"reason", "a node waits to join"}});
+  events().emit(contract::event::kCheckpointRequest, {{"kind", "scale_up"}, {"reason", "a node waits to join"}});
   const auto deadline = Clock::now() + o_.checkpoint_timeout;
   int checkpointed = 0;
   while (true) {
-    for (const auto& e : group_->poll_exits()) {
-      record_exit(e);
-      if (e.checkpointed()) {
-        ++checkpointed;
-        spdlog::info("worker {} checkpointed (exit {})", e.global_rank, e.exit_code);
-      } else if (e.ok()) {
-        spdlog::info("worker {} exited 0", e.global_rank);
-      } else {
-        // not counted against --max-restarts: the round is being re-formed anyway
+    // a failure is not counted against --max-restarts: the round is being re-formed anyway
+    for (const auto& e : collect_exits(/*record_failures=*/false)) {
+      if (classify(e) == ExitKind::Checkpointed) ++checkpointed;
+      if (classify(e) == ExitKind::Failed)
         spdlog::warn(
             "warning: worker {} {} during the scale-up checkpoint", e.global_rank,
             e.signal ? fmt::format("died of {}", signal_name(e.signal)) : fmt::format("exited {}", e.exit_code));
-      }
     }
     if (group_->all_exited()) {
       spdlog::info("scale-up: {} of {} local worker(s) checkpointed", checkpointed, o_.nproc_per_node);
-      events_.emit(contract::event::kCheckpointOutcome, {{"kind", "scale_up"},
-                                                         {"checkpointed", checkpointed},
-                                                         {"local_workers", o_.nproc_per_node},
-                                                         {"complete", checkpointed == o_.nproc_per_node}});
+      events().emit(contract::event::kCheckpointOutcome, {{"kind", "scale_up"},
+                                                          {"checkpointed", checkpointed},
+                                                          {"local_workers", o_.nproc_per_node},
+                                                          {"complete", checkpointed == o_.nproc_per_node}});
       break;
     }
     if (signals_.stop_signal() || signals_.checkpoint_signal())
@@ -297,10 +291,10 @@ bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& ex
     spdlog::error("error: requeueing the job: {}", e.what());
   }
   requeued_ = requeued;
-  events_.emit(contract::event::kRequeue, {{"class", to_string(cls)},
-                                           {"signal", signal ? signal_name(signal) : ""},
-                                           {"exclude", exclude},
-                                           {"requeued", requeued}});
+  events().emit(contract::event::kRequeue, {{"class", to_string(cls)},
+                                            {"signal", signal ? signal_name(signal) : ""},
+                                            {"exclude", exclude},
+                                            {"requeued", requeued}});
   return requeued;
 }
 
@@ -382,8 +376,8 @@ void Agent::end_job_if_batch_script_lost(const std::vector<std::string>& last_ro
       "with that code",
       job_id, job->batch_host, rc_);
   const auto r = complete_slurm_job(job_id, rc_);
-  events_.emit(contract::event::kJobCompleted,
-               {{"batch_host", job->batch_host}, {"exit_code", rc_}, {"ok", r.ok}, {"error", r.error}});
+  events().emit(contract::event::kJobCompleted,
+                {{"batch_host", job->batch_host}, {"exit_code", rc_}, {"ok", r.ok}, {"error", r.error}});
   if (!r.ok)
     spdlog::error("error: slurm_complete_job({}): {}; the job stays until its time limit (scancel it)", job_id,
                   r.error);

@@ -345,8 +345,20 @@ void parse_torchrun2_flags(const Torchrun2Flags& f, AgentOptions& o) {
       o.log_line_prefix_template = env;
 }
 
-ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::string, std::string>& pet, AgentOptions& o) {
-  CLI::App app{"elastrun: elastic agent for PyTorch training on Slurm (torchrun-compatible)", "elastrun"};
+// The flags' values as given, before they are checked and converted into AgentOptions.
+struct RawFlags {
+  std::string rdzv_backend = "c10d", requeue_budget, checkpoint_timeout = "300", scale_up_checkpoint = "true";
+  std::string het_nnodes;
+  std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300", redirects = "0",
+                      tee = "0", ranks_filter, node_rank, master_port, hang_timeout;
+  // torchrun 2.x flags
+  std::string shutdown_timeout, logs_specs, event_log_handler, signals_to_handle, dup_stdout, dup_stderr,
+      print_completion;
+  bool use_env = false;
+};
+
+// --help's frame: how elastrun is called, what PROGRAM is, the exit codes.
+void describe_usage(CLI::App& app) {
   app.prefix_command();  // the first positional is the program; everything after it is its own
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.get_formatter()->column_width(44);
@@ -360,35 +372,34 @@ ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::strin
       "85 workers checkpointed and stopped (requeue requested when allowed), 128+N stopped by\n"
       "signal N. SIGUSR1/SIGUSR2/SIGTERM ask workers to checkpoint and stop through\n"
       "$ELASTRUN_CONTROL_FILE. See docs/launcher.md.");
+}
 
-  std::string rdzv_backend = "c10d", requeue_budget, checkpoint_timeout = "300", scale_up_checkpoint = "true";
-  std::string het_nnodes;
-  std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300", redirects = "0",
-                      tee = "0", ranks_filter, node_rank, master_port;
-  app.add_option("--nnodes", nnodes, "N or MIN:MAX nodes (default: the Slurm step's node count, else 1)");
-  app.add_option("--het-nnodes,--het_nnodes", het_nnodes,
+// Every flag, its aliases and its help line: strings into `raw`, plain values into `o`.
+void declare_flags(CLI::App& app, RawFlags& raw, AgentOptions& o) {
+  app.add_option("--nnodes", raw.nnodes, "N or MIN:MAX nodes (default: the Slurm step's node count, else 1)");
+  app.add_option("--het-nnodes,--het_nnodes", raw.het_nnodes,
                  "heterogeneous job: N or MIN:MAX nodes per component, in component order (e.g. 1:1,2:3)");
-  app.add_option("--nproc-per-node,--nproc_per_node", nproc, "workers per node: N, auto, cpu or gpu (default 1)");
-  app.add_option("--rdzv-backend,--rdzv_backend", rdzv_backend,
+  app.add_option("--nproc-per-node,--nproc_per_node", raw.nproc, "workers per node: N, auto, cpu or gpu (default 1)");
+  app.add_option("--rdzv-backend,--rdzv_backend", raw.rdzv_backend,
                  "c10d|static (embedded store, default) or etcd|etcd-v2 (external etcd v3)");
   app.add_option("--rdzv-endpoint,--rdzv_endpoint", o.rdzv_endpoint,
                  "HOST[:PORT] of the store (default under Slurm: first node of the step)");
   app.add_option("--rdzv-id,--rdzv_id", o.rdzv_id, "run id (default: <job id>.r<restart count> under Slurm)");
-  app.add_option("--rdzv-conf,--rdzv_conf", rdzv_conf,
+  app.add_option("--rdzv-conf,--rdzv_conf", raw.rdzv_conf,
                  "KEY=VALUE,...: join_timeout, last_call_timeout, heartbeat_timeout (seconds), is_host");
   app.add_option("--rdzv-auth,--rdzv_auth", o.rdzv_auth, "munge|token|none|auto (default auto)");
   app.add_flag("--standalone", o.standalone, "one machine: an in-process store on 127.0.0.1, no Slurm needed");
   app.add_option("--max-restarts,--max_restarts", o.max_restarts, "worker failures tolerated, job-wide (default 0)");
-  app.add_option("--monitor-interval,--monitor_interval", monitor, "seconds between worker checks (default 0.1)");
-  app.add_option("--stop-grace,--stop_grace", grace,
+  app.add_option("--monitor-interval,--monitor_interval", raw.monitor, "seconds between worker checks (default 0.1)");
+  app.add_option("--stop-grace,--stop_grace", raw.grace,
                  "seconds between SIGTERM and SIGKILL when stopping workers (default 5)");
-  app.add_option("--exit-barrier-timeout,--exit_barrier_timeout", exit_barrier,
+  app.add_option("--exit-barrier-timeout,--exit_barrier_timeout", raw.exit_barrier,
                  "seconds to wait for the other nodes after local success (default 300)");
   app.add_option("--role", o.role, "worker role name (ROLE_NAME, default 'default')");
-  app.add_option("--node-rank,--node_rank", node_rank, "this node's position in the round order (static use)");
+  app.add_option("--node-rank,--node_rank", raw.node_rank, "this node's position in the round order (static use)");
   app.add_option("--master-addr,--master_addr", o.master_addr,
                  "without --rdzv-endpoint: the store host (torchrun static); workers get MASTER_ADDR from the round");
-  app.add_option("--master-port,--master_port", master_port, "port to go with --master-addr (default 29500)");
+  app.add_option("--master-port,--master_port", raw.master_port, "port to go with --master-addr (default 29500)");
   app.add_option("--local-addr,--local_addr", o.local_addr,
                  "address peers use to reach this node (default: the node's resolved address)");
   app.add_option("--start-method,--start_method", o.start_method,
@@ -400,61 +411,157 @@ ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::strin
   app.add_option("--events", o.events,
                  "JSON-lines event log (default with --log-dir: LOG_DIR/events-NODE.jsonl); workers get it "
                  "as ELASTRUN_EVENTS_FILE");
-  app.add_option("-r,--redirects", redirects, "to files only: 0 none, 1 stdout, 2 stderr, 3 both; or LOCAL_RANK:N,...");
-  app.add_option("-t,--tee", tee, "to files and console: same values as --redirects");
-  app.add_option("--local-ranks-filter,--local_ranks_filter", ranks_filter,
+  app.add_option("-r,--redirects", raw.redirects,
+                 "to files only: 0 none, 1 stdout, 2 stderr, 3 both; or LOCAL_RANK:N,...");
+  app.add_option("-t,--tee", raw.tee, "to files and console: same values as --redirects");
+  app.add_option("--local-ranks-filter,--local_ranks_filter", raw.ranks_filter,
                  "comma list of local ranks whose output reaches the console (default all)");
   app.add_flag("-m,--module", o.module, "PROGRAM is a Python module (python -m)");
   app.add_flag("--no-python,--no_python", o.no_python, "run PROGRAM as is, even a *.py file");
   app.add_flag("--run-path,--run_path", o.run_path, "accepted (torchrun runs the script with runpy); runs with python");
 
   // torchrun 2.x flags (docs/launcher.md, "torchrun flags"): mapped where they mean something here
-  std::string shutdown_timeout, logs_specs, event_log_handler, signals_to_handle, dup_stdout, dup_stderr,
-      print_completion;
-  bool use_env = false;
-  app.add_option("--shutdown-timeout,--shutdown_timeout", shutdown_timeout,
+  app.add_option("--shutdown-timeout,--shutdown_timeout", raw.shutdown_timeout,
                  "torchrun 2.x name of --stop-grace (seconds; torchrun's default is 30, elastrun's 5)");
-  app.add_option("--logs-specs,--logs_specs", logs_specs,
+  app.add_option("--logs-specs,--logs_specs", raw.logs_specs,
                  "accepted: 'default' only (torchrun's log-layout plug-in; see --log-dir, --redirects, --tee)");
-  app.add_option("--event-log-handler,--event_log_handler", event_log_handler,
+  app.add_option("--event-log-handler,--event_log_handler", raw.event_log_handler,
                  "null|console|dynamic_rendezvous: accepted; elastrun writes its events to --events");
-  app.add_option("--signals-to-handle,--signals_to_handle", signals_to_handle,
+  app.add_option("--signals-to-handle,--signals_to_handle", raw.signals_to_handle,
                  "accepted and checked: elastrun handles SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 itself");
   app.add_option("--numa-binding,--numa_binding", o.numa_binding,
                  "node|socket|exclusive|core-complex: bind each worker to one NUMA node's CPUs (no-op with one node)");
   app.add_flag("--virtual-local-rank,--virtual_local_rank", o.virtual_local_rank,
                "LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to the worker's own device");
-  app.add_option("--duplicate-stdout-filters,--duplicate_stdout_filters", dup_stdout,
+  app.add_option("--duplicate-stdout-filters,--duplicate_stdout_filters", raw.dup_stdout,
                  "comma list (',,' is a comma): tee'd stdout lines containing one also go to "
                  "ATTEMPT_DIR/filtered_stdout.log");
-  app.add_option("--duplicate-stderr-filters,--duplicate_stderr_filters", dup_stderr,
+  app.add_option("--duplicate-stderr-filters,--duplicate_stderr_filters", raw.dup_stderr,
                  "the same for stderr (filtered_stderr.log)");
   app.add_option("--log-line-prefix-template,--log_line_prefix_template", o.log_line_prefix_template,
                  "console line prefix with ${rank} ${local_rank} ${role_name} ${hostname} (default '[rank ${rank}] '; "
                  "else $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE)");
-  app.add_option("--print-completion,--print_completion", print_completion,
+  app.add_option("--print-completion,--print_completion", raw.print_completion,
                  "not supported (torchrun prints a shtab completion script)");
   app.add_option("--local-rank-arg,--local_rank_arg", o.local_rank_arg,
                  "torch.distributed.launch: also pass --local-rank=N (2.x) or --local_rank=N (1.x) to the program");
-  std::string hang_timeout;
-  app.add_option("--hang-timeout,--hang_timeout", hang_timeout,
+  app.add_option("--hang-timeout,--hang_timeout", raw.hang_timeout,
                  "seconds without progress (elastrun::control::progress(), elastrun_control.progress()) after "
                  "which a worker that reported progress is hung: its stacks are dumped and the group restarts");
   app.add_flag(
-      "--use-env,--use_env", use_env,
+      "--use-env,--use_env", raw.use_env,
       "torch.distributed.launch: the local rank only in LOCAL_RANK (elastrun's default; cancels --local-rank-arg)");
 
   app.add_option("--checkpoint-dir,--checkpoint_dir", o.checkpoint_dir,
                  "checkpoint directory: ELASTRUN_CHECKPOINT_DIR for workers, and the requeue ledger");
-  app.add_option("--checkpoint-timeout,--checkpoint_timeout", checkpoint_timeout,
+  app.add_option("--checkpoint-timeout,--checkpoint_timeout", raw.checkpoint_timeout,
                  "seconds workers get to checkpoint after a stop signal before they are stopped (default 300)");
   app.add_flag("--forward-signals,--forward_signals", o.forward_signals,
                "also send SIGUSR1/SIGUSR2/SIGTERM to the workers (legacy scripts with own handlers)");
-  app.add_option("--scale-up-checkpoint,--scale_up_checkpoint", scale_up_checkpoint,
+  app.add_option("--scale-up-checkpoint,--scale_up_checkpoint", raw.scale_up_checkpoint,
                  "before re-forming for a node that joins, ask workers that read the control channel to "
                  "checkpoint and stop (true|false, default true)");
-  app.add_option("--requeue-budget,--requeue_budget", requeue_budget,
+  app.add_option("--requeue-budget,--requeue_budget", raw.requeue_budget,
                  "Slurm requeues allowed per class, CLASS:N|inf,... (default app:0,node:3,timelimit:inf,preempt:inf)");
+}
+
+// The values of `raw` checked and converted into `o`: one line naming the flag, exit 2.
+void convert_values(const CLI::App& app, const RawFlags& raw, AgentOptions& o) {
+  // Values that would otherwise fail late (after join_timeout of retries) or corrupt the roster,
+  // whose fields are tab-separated: one line now, exit 2.
+  if (app.count("--nnodes") > 0 && raw.nnodes.empty()) throw UsageError("--nnodes is empty; give N or MIN:MAX");
+  check_word("--rdzv-id", o.rdzv_id, 200);
+  check_word("--role", o.role, 100);
+  if (o.rdzv_auth != "auto" && o.rdzv_auth != "munge" && o.rdzv_auth != "token" && o.rdzv_auth != "none")
+    throw UsageError(
+        fmt::format("--rdzv-auth='{}' is not one of auto, munge, token, none", util::printable(o.rdzv_auth)));
+  if (!o.rdzv_endpoint.empty()) check_endpoint(o.rdzv_endpoint);
+  if (!raw.nnodes.empty()) parse_nnodes(raw.nnodes, o);
+  if (!raw.het_nnodes.empty()) {
+    if (!raw.nnodes.empty())
+      throw UsageError(
+          "--nnodes and --het-nnodes contradict each other (with --het-nnodes the job's bounds are the sums)");
+    o.het_nnodes = parse_het_nnodes(raw.het_nnodes);
+  }
+  o.nproc_per_node = parse_nproc(raw.nproc);
+  if (!raw.rdzv_conf.empty()) parse_rdzv_conf(raw.rdzv_conf, o);
+  o.monitor_interval = std::max(Millis(10), seconds_option("--monitor-interval", raw.monitor));
+  o.stop_grace = seconds_option("--stop-grace", raw.grace);
+  if (!raw.hang_timeout.empty()) o.hang_timeout = seconds_option("--hang-timeout", raw.hang_timeout);
+  parse_torchrun2_flags({.shutdown_timeout = raw.shutdown_timeout,
+                         .stop_grace_given = app.count("--stop-grace") > 0,
+                         .logs_specs = raw.logs_specs,
+                         .event_log_handler = raw.event_log_handler,
+                         .signals_to_handle = raw.signals_to_handle,
+                         .dup_stdout = raw.dup_stdout,
+                         .dup_stderr = raw.dup_stderr,
+                         .print_completion_given = app.count("--print-completion") > 0,
+                         .use_env = raw.use_env},
+                        o);
+  o.exit_barrier_timeout = seconds_option("--exit-barrier-timeout", raw.exit_barrier);
+  o.checkpoint_timeout = seconds_option("--checkpoint-timeout", raw.checkpoint_timeout);
+  o.scale_up_checkpoint = parse_bool("--scale-up-checkpoint", raw.scale_up_checkpoint);
+  if (!raw.requeue_budget.empty()) o.requeue_budget = parse_requeue_budget(raw.requeue_budget, o.requeue_budget);
+  o.redirects = parse_stream_spec("--redirects", raw.redirects);
+  o.tee = parse_stream_spec("--tee", raw.tee);
+  if (!raw.ranks_filter.empty()) {
+    std::set<int> ranks;
+    for (auto item : util::split_list(raw.ranks_filter)) {
+      auto n = to_long(item);
+      if (!n || *n < 0)
+        throw UsageError(
+            fmt::format("--local-ranks-filter='{}' must be a comma list of local ranks", raw.ranks_filter));
+      ranks.insert(static_cast<int>(*n));
+    }
+    o.local_ranks_filter = std::move(ranks);
+  }
+  if (!raw.node_rank.empty()) {
+    auto n = to_long(raw.node_rank);
+    if (!n || *n < 0 || *n > 1'000'000)
+      throw UsageError(fmt::format("--node-rank='{}' must be a non-negative integer", raw.node_rank));
+    o.node_rank = static_cast<int>(*n);
+  }
+  if (!raw.master_port.empty()) {
+    auto n = to_long(raw.master_port);
+    if (!n || *n < 1 || *n > 65535)
+      throw UsageError(fmt::format("--master-port='{}' must be 1-65535", raw.master_port));
+    o.master_port = static_cast<int>(*n);
+  }
+}
+
+// Flags that contradict each other, and what one implies for another.
+void check_contradictions(const RawFlags& raw, AgentOptions& o) {
+  const auto backend = rdzv_backend_from_string(raw.rdzv_backend);
+  if (!backend)
+    throw UsageError(fmt::format("--rdzv-backend='{}' is not one of c10d, static, etcd, etcd-v2", raw.rdzv_backend));
+  o.rdzv_backend = *backend;
+  if (!o.start_method.empty() && o.start_method != "spawn" && o.start_method != "fork" &&
+      o.start_method != "forkserver")
+    throw UsageError(fmt::format("--start-method='{}' is not one of spawn, fork, forkserver", o.start_method));
+  if (o.max_restarts < 0) throw UsageError("--max-restarts must be 0 or more");
+  if (o.no_python && o.module)
+    throw UsageError("--no-python and -m/--module contradict each other (a module needs python)");
+  if (o.no_python && o.run_path) throw UsageError("--no-python and --run-path contradict each other");
+  if (o.standalone) {
+    if (!o.rdzv_endpoint.empty())
+      throw UsageError("--standalone and --rdzv-endpoint contradict each other (standalone hosts its own store)");
+    if (uses_etcd(o.rdzv_backend)) throw UsageError("--standalone and --rdzv-backend=etcd contradict each other");
+    if (!o.het_nnodes.empty()) throw UsageError("--standalone and --het-nnodes contradict each other (one node)");
+    if (o.max_nodes && *o.max_nodes > 1)
+      throw UsageError(
+          fmt::format("--standalone runs one node but --nnodes={}:{} asks for more", *o.min_nodes, *o.max_nodes));
+  }
+  if (uses_etcd(o.rdzv_backend) && o.rdzv_endpoint.empty())
+    throw UsageError("--rdzv-backend=etcd needs --rdzv-endpoint=HOST:PORT of an etcd server");
+  // torchrun's --master-addr defaults to 127.0.0.1: `--master-port=P` alone is the static form on this machine
+  if (o.master_port && o.master_addr.empty() && o.rdzv_endpoint.empty() && !o.standalone) o.master_addr = "127.0.0.1";
+}
+
+ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::string, std::string>& pet, AgentOptions& o) {
+  CLI::App app{"elastrun: elastic agent for PyTorch training on Slurm (torchrun-compatible)", "elastrun"};
+  describe_usage(app);
+  RawFlags raw;
+  declare_flags(app, raw, o);
 
   // PET_<FLAG> defaults go first on the line: explicit flags (later) win (TakeLast).
   std::vector<std::string> args;
@@ -483,91 +590,8 @@ ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::strin
   o.program = rest.front();
   o.program_args.assign(rest.begin() + 1, rest.end());
 
-  // Values that would otherwise fail late (after join_timeout of retries) or corrupt the roster,
-  // whose fields are tab-separated: one line now, exit 2.
-  if (app.count("--nnodes") > 0 && nnodes.empty()) throw UsageError("--nnodes is empty; give N or MIN:MAX");
-  check_word("--rdzv-id", o.rdzv_id, 200);
-  check_word("--role", o.role, 100);
-  if (o.rdzv_auth != "auto" && o.rdzv_auth != "munge" && o.rdzv_auth != "token" && o.rdzv_auth != "none")
-    throw UsageError(
-        fmt::format("--rdzv-auth='{}' is not one of auto, munge, token, none", util::printable(o.rdzv_auth)));
-  if (!o.rdzv_endpoint.empty()) check_endpoint(o.rdzv_endpoint);
-  if (!nnodes.empty()) parse_nnodes(nnodes, o);
-  if (!het_nnodes.empty()) {
-    if (!nnodes.empty())
-      throw UsageError(
-          "--nnodes and --het-nnodes contradict each other (with --het-nnodes the job's bounds are the sums)");
-    o.het_nnodes = parse_het_nnodes(het_nnodes);
-  }
-  o.nproc_per_node = parse_nproc(nproc);
-  if (!rdzv_conf.empty()) parse_rdzv_conf(rdzv_conf, o);
-  o.monitor_interval = std::max(Millis(10), seconds_option("--monitor-interval", monitor));
-  o.stop_grace = seconds_option("--stop-grace", grace);
-  if (!hang_timeout.empty()) o.hang_timeout = seconds_option("--hang-timeout", hang_timeout);
-  parse_torchrun2_flags({.shutdown_timeout = shutdown_timeout,
-                         .stop_grace_given = app.count("--stop-grace") > 0,
-                         .logs_specs = logs_specs,
-                         .event_log_handler = event_log_handler,
-                         .signals_to_handle = signals_to_handle,
-                         .dup_stdout = dup_stdout,
-                         .dup_stderr = dup_stderr,
-                         .print_completion_given = app.count("--print-completion") > 0,
-                         .use_env = use_env},
-                        o);
-  o.exit_barrier_timeout = seconds_option("--exit-barrier-timeout", exit_barrier);
-  o.checkpoint_timeout = seconds_option("--checkpoint-timeout", checkpoint_timeout);
-  o.scale_up_checkpoint = parse_bool("--scale-up-checkpoint", scale_up_checkpoint);
-  if (!requeue_budget.empty()) o.requeue_budget = parse_requeue_budget(requeue_budget, o.requeue_budget);
-  o.redirects = parse_stream_spec("--redirects", redirects);
-  o.tee = parse_stream_spec("--tee", tee);
-  if (!ranks_filter.empty()) {
-    std::set<int> ranks;
-    for (auto item : util::split_list(ranks_filter)) {
-      auto n = to_long(item);
-      if (!n || *n < 0)
-        throw UsageError(fmt::format("--local-ranks-filter='{}' must be a comma list of local ranks", ranks_filter));
-      ranks.insert(static_cast<int>(*n));
-    }
-    o.local_ranks_filter = std::move(ranks);
-  }
-  if (!node_rank.empty()) {
-    auto n = to_long(node_rank);
-    if (!n || *n < 0 || *n > 1'000'000)
-      throw UsageError(fmt::format("--node-rank='{}' must be a non-negative integer", node_rank));
-    o.node_rank = static_cast<int>(*n);
-  }
-  if (!master_port.empty()) {
-    auto n = to_long(master_port);
-    if (!n || *n < 1 || *n > 65535) throw UsageError(fmt::format("--master-port='{}' must be 1-65535", master_port));
-    o.master_port = static_cast<int>(*n);
-  }
-
-  // contradictions
-  const auto backend = rdzv_backend_from_string(rdzv_backend);
-  if (!backend)
-    throw UsageError(fmt::format("--rdzv-backend='{}' is not one of c10d, static, etcd, etcd-v2", rdzv_backend));
-  o.rdzv_backend = *backend;
-  if (!o.start_method.empty() && o.start_method != "spawn" && o.start_method != "fork" &&
-      o.start_method != "forkserver")
-    throw UsageError(fmt::format("--start-method='{}' is not one of spawn, fork, forkserver", o.start_method));
-  if (o.max_restarts < 0) throw UsageError("--max-restarts must be 0 or more");
-  if (o.no_python && o.module)
-    throw UsageError("--no-python and -m/--module contradict each other (a module needs python)");
-  if (o.no_python && o.run_path) throw UsageError("--no-python and --run-path contradict each other");
-  if (o.standalone) {
-    if (!o.rdzv_endpoint.empty())
-      throw UsageError("--standalone and --rdzv-endpoint contradict each other (standalone hosts its own store)");
-    if (uses_etcd(o.rdzv_backend)) throw UsageError("--standalone and --rdzv-backend=etcd contradict each other");
-    if (!o.het_nnodes.empty()) throw UsageError("--standalone and --het-nnodes contradict each other (one node)");
-    if (o.max_nodes && *o.max_nodes > 1)
-      throw UsageError(
-          fmt::format("--standalone runs one node but --nnodes={}:{} asks for more", *o.min_nodes, *o.max_nodes));
-  }
-  if (uses_etcd(o.rdzv_backend) && o.rdzv_endpoint.empty())
-    throw UsageError("--rdzv-backend=etcd needs --rdzv-endpoint=HOST:PORT of an etcd server");
-  // torchrun's --master-addr defaults to 127.0.0.1: `--master-port=P` alone is the static form on this machine
-  if (o.master_port && o.master_addr.empty() && o.rdzv_endpoint.empty() && !o.standalone) o.master_addr = "127.0.0.1";
-
+  convert_values(app, raw, o);
+  check_contradictions(raw, o);
   if (o.outcome_file.empty())
     if (const char* f = std::getenv("ELASTRUN_OUTCOME_FILE"); f && *f) o.outcome_file = f;
   const char* python = std::getenv("ELASTRUN_PYTHON");

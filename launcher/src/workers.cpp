@@ -1,10 +1,8 @@
 #include "workers.hpp"
 
 #include <fcntl.h>
-#include <sched.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -13,12 +11,11 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <mutex>
 #include <stdexcept>
 #include <system_error>
 #include <thread>
+#include <utility>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -105,34 +102,6 @@ struct Stream {
   }
 };
 
-// We are a child subreaper: descendants of the workers that left their process group (setsid,
-// double fork) are reparented to us when their parent dies. Once the workers are gone every
-// remaining child is such an orphan: SIGKILL and reap them, repeatedly (their own children are
-// reparented to us in turn) -- all but `keep`, the agent's own watchdog.
-void kill_adopted_orphans(pid_t keep) {
-  for (int round = 0; round < 64; ++round) {
-    std::vector<pid_t> children;
-    std::error_code ec;
-    for (const auto& task : std::filesystem::directory_iterator("/proc/self/task", ec)) {
-      std::ifstream in(task.path() / "children");
-      pid_t pid = 0;
-      while (in >> pid)
-        if (pid != keep) children.push_back(pid);
-    }
-    if (children.empty()) return;
-    for (pid_t pid : children) {
-      spdlog::warn("warning: killing pid {}, left behind by a worker", pid);
-      if (::kill(pid, SIGKILL) != 0 && errno != ESRCH)
-        spdlog::error("error: kill({}, SIGKILL): {}", pid, std::strerror(errno));
-    }
-    for (pid_t pid : children) {
-      pid_t got;
-      do got = ::waitpid(pid, nullptr, 0);
-      while (got < 0 && errno == EINTR);
-    }
-  }
-}
-
 }  // namespace
 
 std::string signal_name(int sig) {
@@ -166,19 +135,22 @@ struct WorkerGroup::Impl {
     bool exited = false;
     std::string exec_error;
   };
+  explicit Impl(ProcessBackend& b) : backend(b) {}
+  ProcessBackend& backend;
   std::vector<Worker> workers;
-  std::vector<Stream> streams;  // owned by the relay thread once it runs
+  std::vector<WorkerExit> collected;  // handed over by the backend, not yet returned
+  std::vector<Stream> streams;        // owned by the relay thread once it runs
   UniqueFd wake_read, wake_write;
   std::thread relay;
   std::atomic<bool> relay_stop{false};
   std::atomic<bool> relay_done{false};
   bool stopped = false;
-  Watchdog* watchdog = nullptr;  // ends the groups if the agent dies (may be null)
 
   void relay_loop();
   void stop_relay(std::chrono::milliseconds patience);
-  std::optional<WorkerExit> note_exit(pid_t pid, int status);
-  void spawn(Worker& w);
+  void note_exit(Worker& w, int wait_status);
+  void start(Worker& w);
+  std::vector<WorkerExit> collect();
 };
 
 void WorkerGroup::Impl::relay_loop() {
@@ -247,82 +219,63 @@ void WorkerGroup::Impl::stop_relay(std::chrono::milliseconds patience) {
   relay.join();
 }
 
-std::optional<WorkerExit> WorkerGroup::Impl::note_exit(pid_t pid, int status) {
-  for (auto& w : workers) {
-    if (w.pid != pid || w.exited) continue;
-    w.exited = true;
-    WorkerExit e;
-    e.local_rank = w.spec.local_rank;
-    e.global_rank = w.spec.global_rank;
-    e.pid = pid;
-    e.when = std::chrono::system_clock::now();
-    e.exec_error = w.exec_error;
-    if (WIFSIGNALED(status))
-      e.signal = WTERMSIG(status);
-    else
-      e.exit_code = WEXITSTATUS(status);
-    return e;
-  }
-  return std::nullopt;  // a grandchild reparented to us (child subreaper): just reaped
+WorkerExit worker_exit_from_status(const WorkerSpec& spec, pid_t pid, int wait_status, std::string exec_error) {
+  WorkerExit e;
+  e.local_rank = spec.local_rank;
+  e.global_rank = spec.global_rank;
+  e.pid = pid;
+  e.when = std::chrono::system_clock::now();
+  e.exec_error = std::move(exec_error);
+  if (WIFSIGNALED(wait_status))
+    e.signal = WTERMSIG(wait_status);
+  else
+    e.exit_code = WEXITSTATUS(wait_status);
+  return e;
 }
 
-void WorkerGroup::Impl::spawn(Worker& w) {
-  int out[2], err[2], exec_err[2];
-  if (::pipe2(out, O_CLOEXEC) != 0) throw_errno("pipe2");
-  UniqueFd out_r(out[0]), out_w(out[1]);
-  if (::pipe2(err, O_CLOEXEC) != 0) throw_errno("pipe2");
-  UniqueFd err_r(err[0]), err_w(err[1]);
-  if (::pipe2(exec_err, O_CLOEXEC) != 0) throw_errno("pipe2");
-  UniqueFd exec_r(exec_err[0]), exec_w(exec_err[1]);
+ExitKind classify(const WorkerExit& e) {
+  if (e.ok()) return ExitKind::Finished;
+  if (e.checkpointed()) return ExitKind::Checkpointed;
+  return ExitKind::Failed;
+}
 
-  // Everything the child needs is prepared before fork: after it, only async-signal-safe calls.
-  std::vector<char*> argv, envp;
-  for (auto& a : w.spec.argv) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  for (auto& e : w.spec.env) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  const pid_t parent = ::getpid();
-  sigset_t empty;
-  sigemptyset(&empty);
-  cpu_set_t cpus;
-  CPU_ZERO(&cpus);
-  for (int cpu : w.spec.cpus)
-    if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(cpu, &cpus);
-
-  pid_t pid = ::fork();
-  if (pid < 0) throw_errno("fork");
-  if (pid == 0) {
-    ::setpgid(0, 0);
-    if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) ::_exit(126);
-    struct sigaction dfl {};
-    dfl.sa_handler = SIG_DFL;
-    for (int sig = 1; sig < NSIG; ++sig)
-      if (sig != SIGKILL && sig != SIGSTOP) ::sigaction(sig, &dfl, nullptr);  // EINVAL for glibc-internal ones
-    ::sigprocmask(SIG_SETMASK, &empty, nullptr);
-    // --numa-binding; a failure (a cpuset that excludes them) leaves the affinity as it was
-    if (!w.spec.cpus.empty()) (void)::sched_setaffinity(0, sizeof cpus, &cpus);
-    if (::dup2(out_w.get(), 1) < 0 || ::dup2(err_w.get(), 2) < 0) ::_exit(126);
-    if (exec_w.get() != 3 && ::dup2(exec_w.get(), 3) < 0) ::_exit(126);
-    ::fcntl(3, F_SETFD, FD_CLOEXEC);
-    ::close_range(4, ~0U, 0);
-    ::execve(w.spec.path.c_str(), argv.data(), envp.data());
-    int e = errno;
-    [[maybe_unused]] auto ignored = ::write(3, &e, sizeof e);
-    ::_exit(127);
+std::string_view to_string(ExitKind kind) {
+  switch (kind) {
+    case ExitKind::Finished: return "finished";
+    case ExitKind::Checkpointed: return "checkpointed";
+    case ExitKind::Failed: return "failed";
   }
-  w.pid = pid;
-  if (::setpgid(pid, pid) != 0 && errno != EACCES && errno != ESRCH)
-    spdlog::warn("warning: setpgid({}): {}", pid, std::strerror(errno));
-  if (watchdog) watchdog->watch(pid);
-  out_w.reset();
-  err_w.reset();
-  exec_w.reset();
-  int child_errno = 0;
-  ssize_t got;
-  do got = ::read(exec_r.get(), &child_errno, sizeof child_errno);
-  while (got < 0 && errno == EINTR);
-  if (got == static_cast<ssize_t>(sizeof child_errno))
-    w.exec_error = fmt::format("cannot execute {}: {}", w.spec.path, std::strerror(child_errno));
+  return "?";
+}
+
+CheckpointTally tally_checkpoint(const std::vector<WorkerExit>& exits, int local_workers) {
+  CheckpointTally t;
+  for (const auto& e : exits) {
+    if (classify(e) == ExitKind::Checkpointed) ++t.checkpointed;
+    if (classify(e) == ExitKind::Finished) ++t.finished;
+  }
+  t.complete = t.checkpointed > 0 && t.checkpointed + t.finished == local_workers;
+  t.all_finished = t.finished == local_workers;
+  return t;
+}
+
+void WorkerGroup::Impl::note_exit(Worker& w, int wait_status) {
+  if (w.exited) return;
+  w.exited = true;
+  collected.push_back(worker_exit_from_status(w.spec, w.pid, wait_status, w.exec_error));
+}
+
+std::vector<WorkerExit> WorkerGroup::Impl::collect() {
+  backend.collect();
+  return std::exchange(collected, {});
+}
+
+void WorkerGroup::Impl::start(Worker& w) {
+  // `workers` never grows once starting begins: the handler's reference stays valid, and the
+  // group releases every pid before it goes away.
+  auto started = backend.start(w.spec, [this, &w](pid_t, int status) { note_exit(w, status); });
+  w.pid = started.pid;
+  w.exec_error = std::move(started.exec_error);
 
   auto open_log = [](const std::string& path) {
     if (path.empty()) return UniqueFd();
@@ -332,16 +285,16 @@ void WorkerGroup::Impl::spawn(Worker& w) {
   };
   const auto prefix =
       w.spec.console_prefix.empty() ? fmt::format("[rank {}] ", w.spec.global_rank) : w.spec.console_prefix;
-  rdzv::set_nonblocking(out_r.get());
-  rdzv::set_nonblocking(err_r.get());
-  streams.push_back({std::move(out_r),
+  rdzv::set_nonblocking(started.stdout_read.get());
+  rdzv::set_nonblocking(started.stderr_read.get());
+  streams.push_back({std::move(started.stdout_read),
                      w.spec.console_stdout ? 1 : -1,
                      open_log(w.spec.stdout_file),
                      prefix,
                      {},
                      open_log(w.spec.stdout_filtered_file),
                      &w.spec.stdout_filters});
-  streams.push_back({std::move(err_r),
+  streams.push_back({std::move(started.stderr_read),
                      w.spec.console_stderr ? 2 : -1,
                      open_log(w.spec.stderr_file),
                      prefix,
@@ -350,8 +303,8 @@ void WorkerGroup::Impl::spawn(Worker& w) {
                      &w.spec.stderr_filters});
 }
 
-WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, Watchdog* watchdog) : impl_(std::make_unique<Impl>()) {
-  impl_->watchdog = watchdog;
+WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, ProcessBackend& backend)
+    : impl_(std::make_unique<Impl>(backend)) {
   int wake[2];
   if (::pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) throw_errno("pipe2");
   impl_->wake_read = UniqueFd(wake[0]);
@@ -359,7 +312,7 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, Watchdog* watchdog) : im
   impl_->workers.reserve(specs.size());
   for (auto& s : specs) impl_->workers.push_back({std::move(s), -1, false, {}});
   try {
-    for (auto& w : impl_->workers) impl_->spawn(w);
+    for (auto& w : impl_->workers) impl_->start(w);
   } catch (...) {
     stop(std::chrono::milliseconds(0));
     throw;
@@ -371,21 +324,7 @@ WorkerGroup::~WorkerGroup() {
   if (!impl_->stopped) stop(std::chrono::milliseconds(0));
 }
 
-std::vector<WorkerExit> WorkerGroup::poll_exits() {
-  std::vector<WorkerExit> exits;
-  while (true) {
-    int status = 0;
-    pid_t pid = ::waitpid(-1, &status, WNOHANG);
-    if (pid == 0) break;
-    if (pid < 0) {
-      if (errno == EINTR) continue;
-      if (errno != ECHILD) spdlog::error("error: waitpid: {}", std::strerror(errno));
-      break;
-    }
-    if (auto e = impl_->note_exit(pid, status)) exits.push_back(std::move(*e));
-  }
-  return exits;
-}
+std::vector<WorkerExit> WorkerGroup::poll_exits() { return impl_->collect(); }
 
 bool WorkerGroup::all_exited() const {
   for (const auto& w : impl_->workers)
@@ -409,7 +348,10 @@ void WorkerGroup::signal_all(int sig) {
 
 std::vector<WorkerExit> WorkerGroup::stop(std::chrono::milliseconds grace) {
   impl_->stopped = true;
-  std::vector<WorkerExit> exits = poll_exits();
+  std::vector<WorkerExit> exits = impl_->collect();
+  auto collect_more = [&] {
+    for (auto& e : impl_->collect()) exits.push_back(std::move(e));
+  };
   auto signal_groups = [&](int sig, bool live_only) {
     for (const auto& w : impl_->workers) {
       if (w.pid <= 0 || (live_only && w.exited)) continue;
@@ -421,28 +363,25 @@ std::vector<WorkerExit> WorkerGroup::stop(std::chrono::milliseconds grace) {
   const auto deadline = Clock::now() + grace;
   while (!all_exited() && Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    for (auto& e : poll_exits()) exits.push_back(std::move(e));
+    collect_more();
   }
   // SIGKILL to every group, also of workers that exited: a straggling grandchild must not survive.
   signal_groups(SIGKILL, false);
-  for (auto& w : impl_->workers) {
-    if (w.pid <= 0 || w.exited) continue;
-    int status = 0;
-    pid_t got;
-    do got = ::waitpid(w.pid, &status, 0);
-    while (got < 0 && errno == EINTR);
-    if (got == w.pid) {
-      if (auto e = impl_->note_exit(got, status)) exits.push_back(std::move(*e));
-    } else {
-      spdlog::error("error: waitpid({}): {}", w.pid, std::strerror(errno));
-      w.exited = true;
+  const auto killed_at = Clock::now();
+  auto next_warning = killed_at + std::chrono::seconds(10);
+  for (collect_more(); !all_exited(); collect_more()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (Clock::now() >= next_warning) {  // uninterruptible sleep (a hung filesystem): keep waiting
+      next_warning += std::chrono::seconds(10);
+      for (const auto& w : impl_->workers)
+        if (w.pid > 0 && !w.exited)
+          spdlog::warn("warning: worker {} (pid {}) still not gone {} s after SIGKILL", w.spec.global_rank, w.pid,
+                       std::chrono::duration_cast<std::chrono::seconds>(Clock::now() - killed_at).count());
     }
   }
-  for (auto& e : poll_exits()) exits.push_back(std::move(e));  // reparented grandchildren
-  kill_adopted_orphans(impl_->watchdog ? impl_->watchdog->pid() : -1);
-  if (impl_->watchdog)
-    for (const auto& w : impl_->workers)
-      if (w.pid > 0) impl_->watchdog->forget(w.pid);
+  for (const auto& w : impl_->workers)
+    if (w.pid > 0) impl_->backend.release(w.pid);
+  impl_->backend.end_leftovers();  // reparented grandchildren
   impl_->stop_relay(std::chrono::milliseconds(2000));
   return exits;
 }

@@ -1,8 +1,8 @@
-// The local worker processes of one attempt: spawned each in its own process group with
-// PR_SET_PDEATHSIG(SIGKILL) and a clean signal state, their stdout/stderr relayed line by line
-// with a "[rank N] " prefix (console) and/or raw into per-attempt log files, reaped without
-// blocking, and stopped with SIGTERM -> grace -> SIGKILL to each group. The destructor stops
-// whatever still runs: no worker outlives its WorkerGroup.
+// The local worker processes of one attempt: started by the node's process backend
+// (process_backend.hpp), each leading its own process group, their stdout/stderr relayed line by
+// line with a "[rank N] " prefix (console) and/or raw into per-attempt log files, their exits
+// collected without blocking, and stopped with SIGTERM -> grace -> SIGKILL to each group. The
+// destructor stops whatever still runs: no worker outlives its WorkerGroup.
 #pragma once
 
 #include <sys/types.h>
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "watchdog.hpp"
+#include "process_backend.hpp"
 
 namespace elastrun::launcher {
 
@@ -46,17 +46,36 @@ struct WorkerExit {
   bool checkpointed() const { return signal == 0 && exit_code == 85; }
 };
 
+// What a worker's exit means to the agent -- the one classification every state uses.
+enum class ExitKind {
+  Finished,      // exit 0
+  Checkpointed,  // exit 85: saved a checkpoint and stopped, asks for a requeue
+  Failed,        // anything else: a non-zero code, a signal, an exec failure
+};
+ExitKind classify(const WorkerExit& e);
+std::string_view to_string(ExitKind kind);  // "finished", "checkpointed", "failed"
+
+// The local workers' exits after a checkpoint-and-stop request, counted by kind.
+struct CheckpointTally {
+  int checkpointed = 0, finished = 0;
+  bool complete = false;      // some checkpointed, and every other one finished
+  bool all_finished = false;  // every one exited 0: the training ended instead
+};
+CheckpointTally tally_checkpoint(const std::vector<WorkerExit>& exits, int local_workers);
+
+// A WorkerExit from a wait status.
+WorkerExit worker_exit_from_status(const WorkerSpec& spec, pid_t pid, int wait_status, std::string exec_error);
+
 class WorkerGroup {
  public:
-  // Starts every worker; throws std::system_error / std::runtime_error (already started workers
-  // are stopped by the destructor of the partially built group).
-  // With a watchdog, each worker's process group is registered with it (and forgotten once stopped).
-  explicit WorkerGroup(std::vector<WorkerSpec> specs, Watchdog* watchdog = nullptr);
+  // Starts every worker through `backend` (which must outlive the group); throws
+  // std::system_error / std::runtime_error (already started workers are stopped first).
+  WorkerGroup(std::vector<WorkerSpec> specs, ProcessBackend& backend);
   ~WorkerGroup();
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
-  // Reaps exited children without blocking; returns workers that exited since the last call.
+  // Collects exits without blocking; returns workers that exited since the last call.
   std::vector<WorkerExit> poll_exits();
   bool all_exited() const;
   std::vector<pid_t> pids() const;

@@ -1,0 +1,93 @@
+// The node runtime: what lives on a node for the whole job, across attempts and rounds, owned by
+// the node's agent and driven by its per-attempt state machine (agent.hpp) through this narrow
+// interface:
+//   - the reaper (reaper.hpp): the agent's children, each exit handed to the part that owns it;
+//   - the watchdog (watchdog.hpp): forked before the first workers, ends them if the agent dies;
+//   - the process backend (process_backend.hpp): how workers are started (exec today; the
+//     preloader next, which must outlive attempts -- hence here, not in an attempt);
+//   - the event log (events.hpp): one per node, the job's whole history;
+//   - the node endpoint (node_endpoint.hpp): answers on its own thread with the status the state
+//     machine publishes here, also while it waits in a rendezvous; the preloader and the memory
+//     checkpoint tier attach to it next.
+// docs/architecture.md draws it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "events.hpp"
+#include "node_endpoint.hpp"
+#include "process_backend.hpp"
+#include "reaper.hpp"
+#include "watchdog.hpp"
+
+namespace elastrun::launcher {
+
+class NodeRuntime {
+ public:
+  // What the state machine publishes for the endpoint's status query.
+  struct Status {
+    std::string state;
+    std::int64_t generation = 0, restart_count = 0;
+    int world_size = 0, group_rank = -1, group_world_size = 0, attempt = -1;
+    std::vector<pid_t> worker_pids;
+    std::string process_backend;  // its name, once workers were started
+  };
+  // Who this runtime is, in the status reply.
+  struct Identity {
+    std::string node, run_id, job_dir;
+  };
+
+  explicit NodeRuntime(std::chrono::milliseconds stop_grace) : stop_grace_(stop_grace) {}
+  ~NodeRuntime();  // the endpoint first, then the backend, the watchdog (its workers ended), the log
+  NodeRuntime(const NodeRuntime&) = delete;
+  NodeRuntime& operator=(const NodeRuntime&) = delete;
+
+  // ---- the event log (off until opened) ----
+  // Throws std::system_error naming the path (EventLog).
+  void open_event_log(const std::string& path, const std::string& node, const std::string& run_id);
+  EventLog& events() { return events_; }
+
+  // ---- the endpoint ----
+  // Serves the default address (default_node_address) for the rest of the job. Not vital: when
+  // it cannot be had, one warning and the job goes on without it.
+  void serve_endpoint(Identity identity);
+  std::string endpoint_address() const { return endpoint_ ? endpoint_->address() : std::string(); }
+  template <class Update>
+  void update_status(Update&& update) {
+    std::lock_guard lock(status_mutex_);
+    update(status_);
+  }
+  nlohmann::json status_reply() const;  // what "status" answers (the endpoint's thread)
+
+  // ---- processes ----
+  Reaper& reaper() { return reaper_; }
+  // The backend that starts workers; forks the watchdog on first use (before the first workers).
+  ProcessBackend& process_backend();
+  // "ELASTRUN_AGENT_TAG=...": for every worker's environment (forks the watchdog if needed).
+  const std::string& agent_tag();
+
+ private:
+  nlohmann::json answer(const nlohmann::json& request) const;
+
+  std::chrono::milliseconds stop_grace_;
+  Reaper reaper_;
+  EventLog events_;
+  std::optional<Watchdog> watchdog_;
+  std::unique_ptr<ProcessBackend> backend_;
+  Identity identity_;
+  mutable std::mutex status_mutex_;
+  Status status_;
+  std::unique_ptr<NodeEndpoint> endpoint_;  // last: stopped first, before what it reads
+};
+
+}  // namespace elastrun::launcher
