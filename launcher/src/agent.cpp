@@ -184,21 +184,23 @@ Transition Agent::rendezvous() {
 Transition Agent::start_workers() {
   const fs::path attempt_dir = attempt_base_ / fmt::format("attempt_{}", attempt_);
   open_control_channel(attempt_dir);
-  const AttemptContext attempt{.options = o_,
-                               .round = rdzv_->current(),
-                               .run_id = plan_.run_id,
-                               .node_name = plan_.me.node_name,
-                               .control_file = control_path_,
-                               .events_file = events().path(),
-                               .restart_count = restart_count_,
-                               .attempt_dir = attempt_dir,
-                               .program_path = command_path_,
-                               .argv = command_argv_,
-                               .agent_tag = runtime_.agent_tag(),  // forks the watchdog once, before the first workers
-                               .argv_program_end = command_argv_program_end_,
-                               .numa_nodes = numa_nodes_,
-                               .timer_file = file_timer_ ? file_timer_->path().string() : std::string(),
-                               .node_socket = runtime_.endpoint_address()};
+  const AttemptContext attempt{
+      .options = o_,
+      .round = rdzv_->current(),
+      .run_id = plan_.run_id,
+      .node_name = plan_.me.node_name,
+      .control_file = control_path_,
+      .events_file = events().path(),
+      .restart_count = restart_count_,
+      .attempt_dir = attempt_dir,
+      .program_path = command_path_,
+      .argv = command_argv_,
+      .agent_tag = runtime_.agent_tag(),  // forks the watchdog once, before the first workers
+      .argv_program_end = command_argv_program_end_,
+      .numa_nodes = numa_nodes_,
+      .timer_file = file_timer_ ? file_timer_->path().string() : std::string(),
+      .node_socket = runtime_.endpoint_address(),
+      .memory_budget = runtime_.memory() ? std::optional(runtime_.memory()->budget()) : std::nullopt};
   attempt_dir_ = attempt_dir;
   killed_by_us_.clear();
   auto specs = worker_specs(attempt, inherited_environment(environ));

@@ -120,6 +120,11 @@ void Agent::bootstrap() {
   open_event_log();
   if (!etcd) choose_auth(standalone);
   if (!plan_.bind_note.empty() && !etcd) spdlog::warn("warning: {}", plan_.bind_note);
+  if (o_.memory_checkpoints) {  // before the endpoint that serves it
+    runtime_.enable_memory_checkpoints(*o_.memory_checkpoints);
+    spdlog::info("memory checkpoints: up to {:.1f} MiB of segments held by this agent (--memory-checkpoints)",
+                 static_cast<double>(*o_.memory_checkpoints) / (1 << 20));
+  }
   // the node's endpoint, for the whole job: after the usage errors (one line each), before any
   // wait for the store; @elastrun-node-<pid>-<node>, nothing on disk, our workers get its address
   runtime_.serve_endpoint({.node = plan_.me.node_name, .run_id = plan_.run_id, .job_dir = job_dir_});

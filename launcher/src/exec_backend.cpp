@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <sched.h>
 #include <signal.h>
+#include <sys/wait.h>
 #include <sys/prctl.h>
 #include <unistd.h>
 
@@ -80,14 +81,38 @@ class ExecBackend final : public ProcessBackend {
       [[maybe_unused]] auto ignored = ::write(3, &e, sizeof e);
       ::_exit(127);
     }
+    out_w.reset();  // the child's ends: EOF on the read ends once it is gone
+    err_w.reset();
+    exec_w.reset();
+    try {
+      return after_fork(spec, pid, std::move(on_exit), std::move(out_r), std::move(err_r), std::move(exec_r));
+    } catch (...) {  // nothing may outlive a start that failed: its group killed and reaped here
+      ::kill(-pid, SIGKILL);
+      ::kill(pid, SIGKILL);
+      reaper_.disown(pid);
+      while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+      }
+      throw;
+    }
+  }
+
+  void collect() override { reaper_.reap(); }
+
+  void release(pid_t pid) override {
+    reaper_.disown(pid);
+    if (watchdog_) watchdog_->forget(pid);
+  }
+
+  void end_leftovers() override { reaper_.kill_unowned(); }
+
+ private:
+  StartedProcess after_fork(const WorkerSpec& spec, pid_t pid, ExitHandler on_exit, UniqueFd out_r, UniqueFd err_r,
+                            UniqueFd exec_r) {
     // owned from here on: an exit before the first collect() is handed over, not taken for an orphan's
     reaper_.own(pid, std::move(on_exit));
     if (::setpgid(pid, pid) != 0 && errno != EACCES && errno != ESRCH)
       spdlog::warn("warning: setpgid({}): {}", pid, std::strerror(errno));
     if (watchdog_) watchdog_->watch(pid);
-    out_w.reset();
-    err_w.reset();
-    exec_w.reset();
     StartedProcess started;
     started.pid = pid;
     int child_errno = 0;
@@ -101,16 +126,6 @@ class ExecBackend final : public ProcessBackend {
     return started;
   }
 
-  void collect() override { reaper_.reap(); }
-
-  void release(pid_t pid) override {
-    reaper_.disown(pid);
-    if (watchdog_) watchdog_->forget(pid);
-  }
-
-  void end_leftovers() override { reaper_.kill_unowned(); }
-
- private:
   Reaper& reaper_;
   Watchdog* watchdog_;
 };

@@ -7,6 +7,9 @@
 // request per connection, one JSON object per line each way:
 //   -> {"v":1,"op":"status"}
 //   <- {"v":1,"ok":true, ...what the op returns}   or   {"v":1,"ok":false,"error":"..."}
+// A reply may carry one file descriptor (SCM_RIGHTS: a memory checkpoint segment). The ops are the
+// worker contract's (contract::node_op); the client and the line format are
+// <elastrun/worker/node.hpp>'s, shared with training code.
 // The address is "@name" (Linux abstract namespace: nothing on disk to leave behind, gone with the
 // process, even after kill -9) or a filesystem path. Peers must run as the agent's user (or
 // root): SO_PEERCRED is checked on every connection.
@@ -20,14 +23,15 @@
 #include <nlohmann/json.hpp>
 
 #include "elastrun/util/unique_fd.hpp"
+#include "elastrun/worker/node.hpp"
 
 namespace elastrun::launcher {
 
 class NodeEndpoint {
  public:
   // Answers one request; called on the endpoint's thread. Throwing std::exception answers
-  // {"ok":false,"error":what()}.
-  using Handler = std::function<nlohmann::json(const nlohmann::json& request)>;
+  // {"ok":false,"error":what()}. A reply's descriptor is sent with it, then closed.
+  using Handler = std::function<worker::NodeReply(const nlohmann::json& request)>;
 
   // Binds and listens on `address` ("@name" or a path; an existing socket file is replaced) and
   // starts serving. Throws std::system_error naming the address.

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <stdexcept>
+#include <type_traits>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -36,10 +37,54 @@ void NodeRuntime::serve_endpoint(Identity identity) {
   }
 }
 
-nlohmann::json NodeRuntime::answer(const nlohmann::json& request) const {
-  const std::string op = request.value("op", "");
-  if (op == "status") return status_reply();
-  throw std::invalid_argument(fmt::format("unknown op '{}' (this agent knows: status)", op));
+void NodeRuntime::enable_memory_checkpoints(std::uint64_t budget_bytes) {
+  memory_ = std::make_unique<MemorySegments>(budget_bytes);
+}
+
+MemorySegments& NodeRuntime::memory_or_refuse() {
+  if (!memory_)
+    throw std::invalid_argument("memory checkpoints are off on this node: start elastrun with --memory-checkpoints");
+  return *memory_;
+}
+
+namespace {
+template <class T>
+T field(const nlohmann::json& request, const char* name) {
+  const auto it = request.find(name);
+  if (it == request.end() || !it->is_number_integer() || (std::is_unsigned_v<T> && it->get<std::int64_t>() < 0))
+    throw std::invalid_argument(
+        fmt::format("'{}' is missing or not a {}integer", name, std::is_unsigned_v<T> ? "non-negative " : ""));
+  return it->get<T>();
+}
+}  // namespace
+
+worker::NodeReply NodeRuntime::answer(const nlohmann::json& request) {
+  namespace op = contract::node_op;
+  const std::string name = request.value("op", "");
+  if (name == op::kStatus) return status_reply();
+  if (name == op::kMemAlloc) {
+    const auto bytes = field<std::uint64_t>(request, "bytes");
+    return {{{"bytes", bytes}},
+            memory_or_refuse().allocate(field<std::uint64_t>(request, "step"), field<int>(request, "rank"), bytes)};
+  }
+  if (name == op::kMemCommit) {
+    memory_or_refuse().commit(field<std::uint64_t>(request, "step"), field<int>(request, "rank"),
+                              field<std::uint64_t>(request, "checksum"));
+    return {};
+  }
+  if (name == op::kMemGet) {
+    const int rank = field<int>(request, "rank");
+    std::optional<std::uint64_t> step;
+    if (request.contains("step")) step = field<std::uint64_t>(request, "step");
+    auto found = memory_or_refuse().find(rank, step);
+    if (!found)
+      throw std::invalid_argument(step ? fmt::format("no committed memory snapshot of step {} rank {}", *step, rank)
+                                       : fmt::format("no committed memory snapshot of rank {}", rank));
+    return {{{"step", found->step}, {"bytes", found->bytes}, {"checksum", found->checksum}}, std::move(found->fd)};
+  }
+  if (name == op::kMemList) return memory_or_refuse().list();
+  throw std::invalid_argument(fmt::format("unknown op '{}' (this agent knows: {}, {}, {}, {}, {})", name, op::kStatus,
+                                          op::kMemAlloc, op::kMemCommit, op::kMemGet, op::kMemList));
 }
 
 nlohmann::json NodeRuntime::status_reply() const {
@@ -56,7 +101,9 @@ nlohmann::json NodeRuntime::status_reply() const {
           {"attempt", status_.attempt},
           {"worker_pids", status_.worker_pids},
           {"process_backend", status_.process_backend},
-          {"job_dir", identity_.job_dir}};
+          {"job_dir", identity_.job_dir},
+          {"memory_checkpoints",
+           memory_ ? nlohmann::json{{"budget", memory_->budget()}, {"used", memory_->used()}} : nlohmann::json()}};
 }
 
 ProcessBackend& NodeRuntime::process_backend() {

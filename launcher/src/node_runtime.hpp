@@ -7,8 +7,9 @@
 //     preloader next, which must outlive attempts -- hence here, not in an attempt);
 //   - the event log (events.hpp): one per node, the job's whole history;
 //   - the node endpoint (node_endpoint.hpp): answers on its own thread with the status the state
-//     machine publishes here, also while it waits in a rendezvous; the preloader and the memory
-//     checkpoint tier attach to it next.
+//     machine publishes here, also while it waits in a rendezvous, and serves the memory
+//     checkpoint tier's segments (memory_segments.hpp; --memory-checkpoints), which outlive
+//     every attempt; the preloader attaches here next.
 // docs/architecture.md draws it.
 #pragma once
 
@@ -25,6 +26,7 @@
 #include <nlohmann/json.hpp>
 
 #include "events.hpp"
+#include "memory_segments.hpp"
 #include "node_endpoint.hpp"
 #include "process_backend.hpp"
 #include "reaper.hpp"
@@ -69,6 +71,10 @@ class NodeRuntime {
   }
   nlohmann::json status_reply() const;  // what "status" answers (the endpoint's thread)
 
+  // ---- the memory checkpoint tier (off until enabled: its requests are refused) ----
+  void enable_memory_checkpoints(std::uint64_t budget_bytes);
+  MemorySegments* memory() { return memory_.get(); }
+
   // ---- processes ----
   Reaper& reaper() { return reaper_; }
   // The backend that starts workers; forks the watchdog on first use (before the first workers).
@@ -77,13 +83,15 @@ class NodeRuntime {
   const std::string& agent_tag();
 
  private:
-  nlohmann::json answer(const nlohmann::json& request) const;
+  worker::NodeReply answer(const nlohmann::json& request);
+  MemorySegments& memory_or_refuse();
 
   std::chrono::milliseconds stop_grace_;
   Reaper reaper_;
   EventLog events_;
   std::optional<Watchdog> watchdog_;
   std::unique_ptr<ProcessBackend> backend_;
+  std::unique_ptr<MemorySegments> memory_;  // before the endpoint that serves it
   Identity identity_;
   mutable std::mutex status_mutex_;
   Status status_;

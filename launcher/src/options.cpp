@@ -1,5 +1,7 @@
 #include "options.hpp"
 
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <sched.h>
@@ -345,12 +347,25 @@ void parse_torchrun2_flags(const Torchrun2Flags& f, AgentOptions& o) {
       o.log_line_prefix_template = env;
 }
 
+// --memory-checkpoints' value: BYTES, or "auto" (the flag without a value): a quarter of the RAM.
+std::uint64_t memory_budget(const std::string& text) {
+  if (text == "auto" || text == "true" || text == "1") {
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) / 4 : 0;
+  }
+  const auto bytes = util::parse_byte_size(text);
+  if (!bytes || *bytes == 0)
+    throw UsageError(fmt::format("--memory-checkpoints='{}' is not a size in bytes (e.g. 8G, 512M, 1073741824)",
+                                 util::printable(text)));
+  return *bytes;
+}
+
 // The flags' values as given, before they are checked and converted into AgentOptions.
 struct RawFlags {
   std::string rdzv_backend = "c10d", requeue_budget, checkpoint_timeout = "300", scale_up_checkpoint = "true";
   std::string het_nnodes;
   std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300", redirects = "0",
-                      tee = "0", ranks_filter, node_rank, master_port, hang_timeout;
+                      tee = "0", ranks_filter, node_rank, master_port, hang_timeout, memory_checkpoints;
   // torchrun 2.x flags
   std::string shutdown_timeout, logs_specs, event_log_handler, signals_to_handle, dup_stdout, dup_stderr,
       print_completion;
@@ -461,6 +476,9 @@ void declare_flags(CLI::App& app, RawFlags& raw, AgentOptions& o) {
   app.add_option("--scale-up-checkpoint,--scale_up_checkpoint", raw.scale_up_checkpoint,
                  "before re-forming for a node that joins, ask workers that read the control channel to "
                  "checkpoint and stop (true|false, default true)");
+  app.add_flag("--memory-checkpoints{auto},--memory_checkpoints{auto}", raw.memory_checkpoints,
+               "[=BYTES] keep the workers' memory checkpoints in this agent's memory (K/M/G suffixes; without a "
+               "value: a quarter of the node's RAM); workers get ELASTRUN_MEMORY_CHECKPOINTS");
   app.add_option("--requeue-budget,--requeue_budget", raw.requeue_budget,
                  "Slurm requeues allowed per class, CLASS:N|inf,... (default app:0,node:3,timelimit:inf,preempt:inf)");
 }
@@ -488,6 +506,7 @@ void convert_values(const CLI::App& app, const RawFlags& raw, AgentOptions& o) {
   o.monitor_interval = std::max(Millis(10), seconds_option("--monitor-interval", raw.monitor));
   o.stop_grace = seconds_option("--stop-grace", raw.grace);
   if (!raw.hang_timeout.empty()) o.hang_timeout = seconds_option("--hang-timeout", raw.hang_timeout);
+  if (!raw.memory_checkpoints.empty()) o.memory_checkpoints = memory_budget(raw.memory_checkpoints);
   parse_torchrun2_flags({.shutdown_timeout = raw.shutdown_timeout,
                          .stop_grace_given = app.count("--stop-grace") > 0,
                          .logs_specs = raw.logs_specs,

@@ -87,7 +87,9 @@ struct AgentOptions {
   // torch.distributed.launch: also pass the local rank as an argument ("--local-rank" or
   // "--local_rank"; "" = no, as torchrun)
   std::string local_rank_arg;
-  Millis hang_timeout{0};    // --hang-timeout: 0 = off
+  Millis hang_timeout{0};  // --hang-timeout: 0 = off
+  // --memory-checkpoints[=BYTES]: the node's budget for the memory checkpoint tier (none = off)
+  std::optional<std::uint64_t> memory_checkpoints;
   std::string outcome_file;  // --outcome-file / $ELASTRUN_OUTCOME_FILE: group rank 0 writes how the job ended
   std::string events;        // --events: the event log (default with --log-dir: <log-dir>/events-<node>.jsonl)
   StreamSpec redirects;

@@ -43,6 +43,7 @@ std::size_t Reaper::reap() {
     pid_t got;
     do got = ::waitpid(pid, &status, WNOHANG);
     while (got < 0 && errno == EINTR);
+    if (got < 0 && errno == ECHILD) continue;  // reaped meanwhile by a waiter of its own
     if (got != pid) {
       spdlog::error("error: waitpid({}): {}", pid, got < 0 ? std::strerror(errno) : "not reaped");
       return reaped;

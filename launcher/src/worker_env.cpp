@@ -152,6 +152,7 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   }  // the watchdog finds the workers' descendants by it
   if (!a.events_file.empty()) set(env_name::kEventsFile, a.events_file);
   if (!a.node_socket.empty()) set(env_name::kNodeSocket, a.node_socket);
+  if (a.memory_budget && !a.node_socket.empty()) set(env_name::kMemoryCheckpoints, std::to_string(*a.memory_budget));
   const bool omp_set = std::any_of(inherited.begin(), inherited.end(),
                                    [](const std::string& kv) { return kv.starts_with("OMP_NUM_THREADS="); });
   if (!omp_set && o.nproc_per_node > 1) set("OMP_NUM_THREADS", 1);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -30,14 +31,15 @@ struct AttemptContext {
   std::string control_file;  // ELASTRUN_CONTROL_FILE
   std::string events_file;   // ELASTRUN_EVENTS_FILE ("" = none)
   std::int64_t restart_count = 0;
-  std::filesystem::path attempt_dir;         // <log dir or temp dir>/<run>/attempt_<n>
-  std::string program_path;                  // resolved executable
-  std::vector<std::string> argv;             // argv[0] included
-  std::string agent_tag;                     // "ELASTRUN_AGENT_TAG=..." of the agent's watchdog ("" = none)
-  std::size_t argv_program_end = 1;          // where --local-rank-arg goes: after `python -u [-m] SCRIPT`
-  std::vector<std::vector<int>> numa_nodes;  // --numa-binding: each NUMA node's CPUs (read_numa_nodes)
-  std::string timer_file;                    // TORCHELASTIC_TIMER_FILE: the agent's FileTimer FIFO ("" = none)
-  std::string node_socket = {};              // ELASTRUN_NODE_SOCKET: the node endpoint's address ("" = none)
+  std::filesystem::path attempt_dir;                // <log dir or temp dir>/<run>/attempt_<n>
+  std::string program_path;                         // resolved executable
+  std::vector<std::string> argv;                    // argv[0] included
+  std::string agent_tag;                            // "ELASTRUN_AGENT_TAG=..." of the agent's watchdog ("" = none)
+  std::size_t argv_program_end = 1;                 // where --local-rank-arg goes: after `python -u [-m] SCRIPT`
+  std::vector<std::vector<int>> numa_nodes;         // --numa-binding: each NUMA node's CPUs (read_numa_nodes)
+  std::string timer_file;                           // TORCHELASTIC_TIMER_FILE: the agent's FileTimer FIFO ("" = none)
+  std::string node_socket = {};                     // ELASTRUN_NODE_SOCKET: the node endpoint's address ("" = none)
+  std::optional<std::uint64_t> memory_budget = {};  // ELASTRUN_MEMORY_CHECKPOINTS (none = the tier is off)
 };
 
 // --hang-timeout: the files of local rank `local` in an attempt directory, and the signal on

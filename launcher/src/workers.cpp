@@ -371,6 +371,12 @@ std::vector<WorkerExit> WorkerGroup::stop(std::chrono::milliseconds grace) {
   auto next_warning = killed_at + std::chrono::seconds(10);
   for (collect_more(); !all_exited(); collect_more()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    for (auto& w : impl_->workers)  // gone without an exit handed to us (reaped by another waiter)
+      if (w.pid > 0 && !w.exited && ::kill(w.pid, 0) != 0 && errno == ESRCH) {
+        spdlog::error("error: worker {} (pid {}) was reaped elsewhere: its exit status is lost", w.spec.global_rank,
+                      w.pid);
+        impl_->note_exit(w, W_EXITCODE(0, SIGKILL));
+      }
     if (Clock::now() >= next_warning) {  // uninterruptible sleep (a hung filesystem): keep waiting
       next_warning += std::chrono::seconds(10);
       for (const auto& w : impl_->workers)

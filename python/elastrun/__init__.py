@@ -5,6 +5,8 @@
     elastrun.control      the agent's control channel (checkpoint-and-stop on Slurm's signals)
     elastrun.data         ElasticSampler: exactly-once data order whatever the world size
     elastrun.events       event logs, schema v1: the writer, the reader and the job's timeline
+    elastrun.memory       the memory checkpoint tier: snapshots kept in the node agent's memory
+    elastrun.node         requests to this node's agent (its Unix-socket endpoint)
 
 Submodules load on first use, so ``import elastrun`` stays cheap (no torch, no HDF5).
 Guide: docs/python.md. The launcher itself is the ``elastrun`` command.
@@ -14,11 +16,11 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["checkpoint", "control", "data", "events", "__version__"]
+__all__ = ["checkpoint", "control", "data", "events", "memory", "node", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("checkpoint", "control", "data", "events"):
+    if name in ("checkpoint", "control", "data", "events", "memory", "node"):
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'elastrun' has no attribute '{name}'")
 

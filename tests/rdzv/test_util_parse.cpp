@@ -31,6 +31,17 @@ TEST(UtilParse, BooleansAreTheUnionOfEveryEarlierGrammar) {
   for (auto bad : {"", "2", "y", "n", "truee", " true", "enabled"}) EXPECT_FALSE(parse_boolean(bad)) << bad;
 }
 
+TEST(UtilParse, ByteSizes) {
+  EXPECT_EQ(parse_byte_size("1048576"), 1048576u);
+  EXPECT_EQ(parse_byte_size("64M"), 64u << 20);
+  EXPECT_EQ(parse_byte_size("64mib"), 64u << 20);
+  EXPECT_EQ(parse_byte_size("2GiB"), 2ull << 30);
+  EXPECT_EQ(parse_byte_size("512KB"), 512u << 10);
+  EXPECT_EQ(parse_byte_size("1T"), 1ull << 40);
+  for (auto bad : {"", "M", "1.5G", "-1", "8X", "8 G", "8GG", "99999999999999999999", "17179869184T"})
+    EXPECT_FALSE(parse_byte_size(bad)) << bad;
+}
+
 TEST(UtilParse, Lists) {
   EXPECT_EQ(split_list("a,b,,c"), (std::vector<std::string_view>{"a", "b", "", "c"}));
   EXPECT_EQ(split_list("a,"), (std::vector<std::string_view>{"a"}));

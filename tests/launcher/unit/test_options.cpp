@@ -1,5 +1,6 @@
 // parse_agent_options: every torchrun flag spelling, PET_* defaults, bad values (exit-2 errors).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <map>
 #include <string>
@@ -109,6 +110,19 @@ TEST(Options, Torchrun2FlagsInBothSpellings) {
   EXPECT_NE(refusal({"--print-completion=bash", "x"}).find("no shell completion"), std::string::npos);
   EXPECT_NE(refusal({"--shutdown-timeout=3", "--stop-grace=4", "x"}).find("same setting"), std::string::npos);
   EXPECT_NE(refusal({"--local-rank-arg=-l", "x"}).find("--local_rank (torch 1.x)"), std::string::npos);
+}
+
+TEST(Options, MemoryCheckpointsWithAndWithoutABudget) {
+  EXPECT_FALSE(parse({"x"}).memory_checkpoints) << "off by default";
+  EXPECT_EQ(parse({"--memory-checkpoints=512M", "x"}).memory_checkpoints, 512u << 20);
+  EXPECT_EQ(parse({"--memory_checkpoints=2G", "x"}).memory_checkpoints, 2ull << 30);
+  EXPECT_EQ(parse({"x"}, {{"memory_checkpoints", "1G"}}).memory_checkpoints, 1ull << 30) << "PET_MEMORY_CHECKPOINTS";
+  const auto automatic = parse({"--memory-checkpoints", "x"}).memory_checkpoints;
+  ASSERT_TRUE(automatic) << "the flag alone";
+  EXPECT_EQ(*automatic, static_cast<std::uint64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGESIZE) / 4);
+  EXPECT_EQ(parse({"--memory-checkpoints", "x"}).program, "x") << "the program is not taken for a budget";
+  EXPECT_NE(refusal({"--memory-checkpoints=lots", "x"}).find("--memory-checkpoints='lots' is not a size"),
+            std::string::npos);
 }
 
 TEST(Options, MasterPortAloneIsTheStaticFormOnThisMachine) {

@@ -6,6 +6,7 @@
 #include <elastrun/ckpt/checkpoint.hpp>
 #include <elastrun/control.hpp>
 #include <elastrun/worker/events.hpp>
+#include <elastrun/worker/memory.hpp>
 
 using namespace elastrun::ckpt;
 
@@ -58,6 +59,8 @@ int main(int argc, char** argv) {
   if (elastrun::control::poll().stop()) return elastrun::control::kCheckpointedExitCode;
   // elastrun::worker: the event writer (schema v1) from the installed headers.
   auto events = elastrun::worker::EventWriter::from_environment(0);
+  // elastrun::worker: the node endpoint's client and the memory tier (off without the agent).
+  if (elastrun::worker::MemoryTier().enabled()) return 3;
   if (!events.write(elastrun::contract::event::kTrainDone, {{"step", 1}})) return 1;
   std::printf("ok: step %llu in %s\n", static_cast<unsigned long long>(restored->step), restored->path.c_str());
   return 0;

@@ -5,6 +5,7 @@
 
 #include <charconv>
 #include <concepts>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -28,6 +29,27 @@ std::optional<T> parse_integer_in(std::string_view text, T lo, T hi) {
   auto value = parse_integer<T>(text);
   if (!value || *value < lo || *value > hi) return std::nullopt;
   return value;
+}
+
+// A size in bytes: an integer with an optional binary multiple, case-insensitive: K, M, G, T
+// (also KB/KiB, ...): "64M" = 64 MiB, "2GiB", "1048576". nullopt for anything else or an overflow.
+inline std::optional<std::uint64_t> parse_byte_size(std::string_view text) {
+  std::size_t digits = 0;
+  while (digits < text.size() && text[digits] >= '0' && text[digits] <= '9') ++digits;
+  const auto number = parse_integer<std::uint64_t>(text.substr(0, digits));
+  if (!number) return std::nullopt;
+  std::string unit;
+  for (char c : text.substr(digits)) unit += static_cast<char>(c >= 'a' && c <= 'z' ? c - 'a' + 'A' : c);
+  int shift = 0;
+  if (!unit.empty()) {
+    const std::string_view letters = "KMGT";
+    const auto at = letters.find(unit.front());
+    const std::string_view rest = std::string_view(unit).substr(1);
+    if (at == std::string_view::npos || !(rest.empty() || rest == "B" || rest == "IB")) return std::nullopt;
+    shift = 10 * static_cast<int>(at + 1);
+  }
+  if (shift > 0 && *number > (UINT64_MAX >> shift)) return std::nullopt;
+  return *number << shift;
 }
 
 // Booleans, case-insensitive: true = 1, true, yes, on; false = 0, false, no, off.

@@ -64,9 +64,12 @@ inline constexpr std::string_view kEventsFile =
 inline constexpr std::string_view kNodeSocket =
     "ELASTRUN_NODE_SOCKET";  // the node agent's endpoint ('@name': abstract Unix socket; elastrun node-status,
                              // docs/launcher.md)
+inline constexpr std::string_view kMemoryCheckpoints =
+    "ELASTRUN_MEMORY_CHECKPOINTS";  // the node's memory checkpoint budget in bytes, set when the agent runs with
+                                    // --memory-checkpoints (segments: the node endpoint's mem_* requests)
 // The variables the agent owns: an inherited one of these names is never passed on (the
 // others, e.g. TORCHELASTIC_TIMER_FILE, stay when the agent does not set its own).
-inline constexpr std::array<std::string_view, 27> kReplaced = {kRank,
+inline constexpr std::array<std::string_view, 28> kReplaced = {kRank,
                                                                kLocalRank,
                                                                kGroupRank,
                                                                kNodeRank,
@@ -92,7 +95,8 @@ inline constexpr std::array<std::string_view, 27> kReplaced = {kRank,
                                                                kProgressFile,
                                                                kStacksFile,
                                                                kStacksSignal,
-                                                               kNodeSocket};
+                                                               kNodeSocket,
+                                                               kMemoryCheckpoints};
 // The torch variables srun --torch-env sets for every task (the agent sets them too).
 inline constexpr std::array<std::string_view, 15> kTorch = {
     kRank,           kLocalRank,     kGroupRank,  kNodeRank,   kRoleRank,     kRoleName,    kLocalWorldSize, kWorldSize,
@@ -134,5 +138,22 @@ inline constexpr std::string_view kCheckpointSaved = "checkpoint_saved";    // w
 inline constexpr std::string_view kCheckpointFailed = "checkpoint_failed";  // worker: a checkpoint save failed
 inline constexpr std::string_view kTrainDone = "train_done";                // worker: training finished
 }  // namespace event
+
+// The node endpoint's requests ("op").
+namespace node_op {
+inline constexpr std::string_view kStatus =
+    "status";  // the agent's live state: protocol version, state, round, generation, world size, worker pids, process
+               // backend, job directory
+inline constexpr std::string_view kMemAlloc =
+    "mem_alloc";  // a new memory checkpoint segment of `bytes` for (step, rank); the reply carries its descriptor (a
+                  // memfd the agent owns), writable until mem_commit
+inline constexpr std::string_view kMemCommit =
+    "mem_commit";  // the segment is complete: the agent seals it (no write, no resize) and keeps it; refused while a
+                   // writable mapping exists
+inline constexpr std::string_view kMemGet = "mem_get";  // the newest (or the given) committed segment of `rank`: step,
+                                                        // bytes, checksum, and its descriptor (sealed, read-only)
+inline constexpr std::string_view kMemList =
+    "mem_list";  // the budget, the bytes in use and every segment (step, rank, bytes, committed)
+}  // namespace node_op
 
 }  // namespace elastrun::contract

@@ -1,0 +1,138 @@
+// The memory checkpoint tier's segments (launcher/src/memory_segments.hpp) and their service on a
+// real node endpoint, driven by the worker's client (<elastrun/worker/memory.hpp>): budget,
+// sealing, retention, descriptors passed over the socket, refusal when off.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "elastrun/worker/memory.hpp"
+#include "memory_segments.hpp"
+#include "node_runtime.hpp"
+
+namespace elastrun::launcher {
+namespace {
+
+void fill(int fd, std::size_t size, char value) {
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ASSERT_NE(p, MAP_FAILED);
+  std::memset(p, value, size);
+  ::munmap(p, size);
+}
+
+TEST(MemorySegments, CommitSealsAndFindReturnsTheNewest) {
+  MemorySegments segments(1 << 20);
+  for (std::uint64_t step : {1, 2}) {
+    auto fd = segments.allocate(step, 0, 4096);
+    fill(fd.get(), 4096, static_cast<char>('a' + step));
+    segments.commit(step, 0, 100 + step);
+  }
+  auto found = segments.find(0);
+  ASSERT_TRUE(found);
+  EXPECT_EQ(found->step, 2u);
+  EXPECT_EQ(found->checksum, 102u);
+  EXPECT_EQ(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, found->fd.get(), 0), MAP_FAILED)
+      << "a committed segment cannot be mapped writable";
+  EXPECT_EQ(::write(found->fd.get(), "x", 1), -1) << "nor written";
+  void* p = ::mmap(nullptr, 4096, PROT_READ, MAP_SHARED, found->fd.get(), 0);
+  ASSERT_NE(p, MAP_FAILED);
+  EXPECT_EQ(static_cast<char*>(p)[4095], 'c');
+  ::munmap(p, 4096);
+  EXPECT_EQ(segments.find(0, 1)->checksum, 101u);
+  EXPECT_FALSE(segments.find(1)) << "another rank has none";
+}
+
+TEST(MemorySegments, CommitRefusedWhileMappedWritable) {
+  MemorySegments segments(1 << 20);
+  auto fd = segments.allocate(5, 3, 4096);
+  void* p = ::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  ASSERT_NE(p, MAP_FAILED);
+  try {
+    segments.commit(5, 3, 0);
+    FAIL() << "committed while mapped writable";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("still mapped writable"), std::string::npos) << e.what();
+  }
+  ::munmap(p, 4096);
+  segments.commit(5, 3, 0);
+  EXPECT_TRUE(segments.find(3, 5));
+}
+
+TEST(MemorySegments, RetentionAndBudget) {
+  MemorySegments segments(3 * 4096);
+  for (std::uint64_t step = 1; step <= 4; ++step) {
+    segments.allocate(step, 0, 4096);
+    segments.commit(step, 0, step);
+  }
+  EXPECT_EQ(segments.used(), 2u * 4096) << "two committed steps kept per rank";
+  EXPECT_FALSE(segments.find(0, 2));
+  EXPECT_TRUE(segments.find(0, 3));
+  // rank 1 needs two pages: rank 0 keeps its newest, so the budget cannot hold both
+  segments.allocate(1, 1, 4096);
+  try {
+    segments.allocate(2, 1, 2 * 4096);
+    FAIL() << "over budget";
+  } catch (const MemoryBudgetError& e) {
+    EXPECT_NE(std::string(e.what()).find("--memory-checkpoints"), std::string::npos) << e.what();
+  }
+  // an older committed step of the same rank makes room, never the newest
+  segments.allocate(5, 0, 4096);
+  EXPECT_TRUE(segments.find(0, 4)) << "the newest committed step stays until the next is committed";
+  EXPECT_FALSE(segments.find(0, 3));
+  const auto list = segments.list();
+  EXPECT_EQ(list["budget"], 3 * 4096);
+  EXPECT_EQ(list["segments"].size(), 3u);
+}
+
+// The worker's client against a real runtime's endpoint: the segment outlives the client's
+// mapping and descriptors (a worker that exits), and comes back read-only.
+TEST(MemoryTier, WorkerClientThroughTheNodeEndpoint) {
+  NodeRuntime runtime(std::chrono::milliseconds(100));
+  runtime.enable_memory_checkpoints(1 << 20);
+  runtime.serve_endpoint({.node = "n1", .run_id = "test", .job_dir = ""});
+  ASSERT_FALSE(runtime.endpoint_address().empty());
+  {
+    worker::MemoryTier tier(runtime.endpoint_address());
+    auto segment = tier.allocate(7, 2, 10000);
+    std::iota(reinterpret_cast<unsigned char*>(segment.data()),
+              reinterpret_cast<unsigned char*>(segment.data()) + segment.size(), 0);
+    tier.commit(std::move(segment), 0xabcdef);
+  }
+  worker::MemoryTier tier(runtime.endpoint_address());
+  auto back = tier.newest(2);
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->step(), 7u);
+  EXPECT_EQ(back->size(), 10000u);
+  EXPECT_EQ(back->checksum(), 0xabcdefu);
+  EXPECT_EQ(static_cast<unsigned char>(back->data()[9999]), 9999 % 256);
+  EXPECT_FALSE(tier.newest(3));
+  EXPECT_EQ(tier.list()["used"], 10000);
+  EXPECT_EQ(runtime.status_reply()["memory_checkpoints"]["used"], 10000);
+  try {
+    tier.allocate(8, 2, 2 << 20);
+    FAIL() << "over budget";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("budget"), std::string::npos) << e.what();
+  }
+}
+
+TEST(MemoryTier, RefusedWhenOff) {
+  NodeRuntime runtime(std::chrono::milliseconds(100));
+  runtime.serve_endpoint({.node = "n1", .run_id = "test", .job_dir = ""});
+  worker::MemoryTier tier(runtime.endpoint_address());
+  try {
+    tier.allocate(1, 0, 16);
+    FAIL() << "allocated without --memory-checkpoints";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("--memory-checkpoints"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(runtime.status_reply()["memory_checkpoints"].is_null());
+}
+
+}  // namespace
+}  // namespace elastrun::launcher
