@@ -21,7 +21,12 @@
 //    "checkpoint-and-stop" (Slurm's time-limit warning, preemption) every rank saves and exits
 //    with the "checkpointed" code 85, and the agent requeues the job. SIGTERM without such a
 //    request stops every rank after the current step with exit 143 (bounded by --term-grace);
-//  - with $ELASTRUN_EVENTS_FILE it appends checkpoint_saved / resumed / step / train_done events.
+//  - with --memory-every N under `elastrun --memory-checkpoints`, every N steps a snapshot of the
+//    same state goes into the node agent's memory (elastrun/worker/memory.hpp): it outlives the
+//    worker, so after a crash (or a node loss, where every surviving node holds the step) the ranks
+//    resume from it -- at most N steps lost -- when it is newer than the newest file checkpoint;
+//  - with $ELASTRUN_EVENTS_FILE it appends checkpoint_saved (tier file or memory) / resumed (source
+//    file or memory-local) / step / train_done events.
 // Log lines are "[rank N] ...". Exit codes: 0 done, 85 checkpointed and stopped, 143 SIGTERM,
 // 1 error (and --fail-at-step), 2 bad flags.
 #include <CLI/CLI.hpp>
@@ -58,6 +63,7 @@
 #include "elastrun/ckpt/torch_adapter.hpp"
 #include "elastrun/control.hpp"
 #include "elastrun/worker/events.hpp"
+#include "elastrun/worker/memory.hpp"
 
 namespace {
 
@@ -74,6 +80,7 @@ constexpr auto kTermRequestWait = std::chrono::milliseconds(1000);
 struct Args {
   std::uint64_t steps = 100;
   std::uint64_t ckpt_every = 10;
+  std::uint64_t memory_every = 0;  // 0: no memory snapshots
   std::string ckpt_dir;
   int step_ms = 0;  // extra time per step, to make a short run last (demos, tests)
   int hidden = 32;
@@ -276,6 +283,15 @@ class Trainer {
       options.keep_last = args_.keep_last;
       saver_ = std::make_unique<elastrun::ckpt::AsyncSaver>(args_.ckpt_dir, *comm_, options);
     }
+    if (args_.memory_every > 0) {
+      memory_.emplace();
+      if (!memory_->enabled()) {
+        if (rank_ == 0)
+          log("--memory-every {}: the agent keeps no memory checkpoints (elastrun --memory-checkpoints)",
+              args_.memory_every);
+        memory_.reset();
+      }
+    }
   }
 
   int run() {
@@ -308,6 +324,7 @@ class Trainer {
         return control::kCheckpointedExitCode;
       }
       if (agreed_.term) terminate(step);
+      if (memory_ && step % args_.memory_every == 0 && !last) save_to_memory(step, loss);
       if (saver_ && (periodic || agreed_.checkpoint || last)) save(step, loss, /*wait=*/last);
     }
     if (saver_) finish_save();           // e.g. resumed at --steps: nothing new, but a save may be pending
@@ -520,6 +537,7 @@ class Trainer {
             if (rank_ == 0) log("checkpoint warning: {}", w);
         events_.write("checkpoint_saved", rank_,
                       {{"step", step},
+                       {"tier", "file"},
                        {"bytes", result ? result->bytes_written : 0},
                        {"blocked_s", blocked},
                        {"durable_s", durable},
@@ -555,7 +573,179 @@ class Trainer {
     std::_Exit(kSigtermExitCode);
   }
 
+  // ---- the memory tier ---------------------------------------------------------------------
+  // A snapshot: [8 bytes: header length][header JSON: the metadata and the tensors' names and
+  // element counts][every tensor's float32 bytes, in the save order]. The state is replicated, so
+  // any rank's snapshot of a step holds all of it.
+  std::vector<torch::Tensor> state_tensors() const {
+    std::vector<torch::Tensor> out;
+    for (std::size_t q = 0; q < params_.size(); ++q) {
+      out.push_back(params_[q]);
+      for (const auto& [kind, tensor] : state_[q]) out.push_back(tensor);
+    }
+    return out;
+  }
+
+  static std::uint64_t fnv1a(const std::byte* data, std::size_t size) {
+    std::uint64_t h = 0xcbf29ce484222325ULL;
+    for (std::size_t i = 0; i < size; ++i) h = (h ^ static_cast<std::uint64_t>(data[i])) * 0x100000001b3ULL;
+    return h;
+  }
+
+  // Never fatal: a snapshot that the agent refuses (its budget) leaves the file tier in charge.
+  void save_to_memory(std::uint64_t step, double loss) {
+    const auto t0 = Clock::now();
+    const auto tensors = state_tensors();
+    nlohmann::json header = metadata(step, loss);
+    header["numel"] = nlohmann::json::array();
+    std::size_t data_bytes = 0;
+    for (const auto& t : tensors) {
+      header["numel"].push_back(t.numel());
+      data_bytes += static_cast<std::size_t>(t.numel()) * sizeof(float);
+    }
+    const std::string text = header.dump();
+    const std::uint64_t header_size = text.size();
+    const std::size_t total = sizeof header_size + text.size() + data_bytes;
+    try {
+      auto segment = memory_->allocate(step, rank_, total);
+      std::byte* out = segment.data();
+      std::memcpy(out, &header_size, sizeof header_size);
+      std::memcpy(out + sizeof header_size, text.data(), text.size());
+      std::size_t at = sizeof header_size + text.size();
+      for (const auto& t : tensors) {
+        const auto c = t.contiguous();
+        const auto n = static_cast<std::size_t>(c.numel()) * sizeof(float);
+        std::memcpy(out + at, c.data_ptr<float>(), n);
+        at += n;
+      }
+      const auto checksum = fnv1a(out, total);
+      memory_->commit(std::move(segment), checksum);
+      if (rank_ == 0)
+        events_.write("checkpoint_saved", rank_,
+                      {{"step", step},
+                       {"tier", "memory"},
+                       {"bytes", total},
+                       {"blocked_s", seconds_since(t0)},
+                       {"durable_s", seconds_since(t0)},
+                       {"world_size", world_}});
+    } catch (const std::exception& e) {
+      if (!memory_warned_) log("warning: memory snapshot of step {}: {}", step, e.what());
+      memory_warned_ = true;
+    }
+  }
+
+  // The newest snapshot this node's agent holds (of any rank: the state is replicated), or the one
+  // of step `want`, checked (checksum, seed, layout): its step, metadata and a read-only mapping;
+  // nullopt if none is usable.
+  struct MemorySnapshot {
+    std::uint64_t step = 0;
+    nlohmann::json meta;
+    elastrun::worker::MemorySegment segment;
+    std::size_t data_offset = 0;
+  };
+  std::optional<MemorySnapshot> memory_snapshot(std::optional<std::uint64_t> want = std::nullopt) {
+    if (!memory_) return std::nullopt;
+    try {
+      const auto listing = memory_->list();
+      std::optional<std::pair<std::uint64_t, int>> best;
+      for (const auto& s : listing.at("segments"))
+        if (s.at("committed").get<bool>() && (!want || s.at("step").get<std::uint64_t>() == *want) &&
+            (!best || s.at("step").get<std::uint64_t>() > best->first))
+          best = {s.at("step").get<std::uint64_t>(), s.at("rank").get<int>()};
+      if (!best) return std::nullopt;
+      auto segment = memory_->newest(best->second, best->first);
+      if (!segment || segment->size() < sizeof(std::uint64_t)) return std::nullopt;
+      if (fnv1a(segment->data(), segment->size()) != segment->checksum()) {
+        log("warning: the memory snapshot of step {} fails its checksum: not used", best->first);
+        return std::nullopt;
+      }
+      std::uint64_t header_size = 0;
+      std::memcpy(&header_size, segment->data(), sizeof header_size);
+      if (header_size > segment->size() - sizeof header_size) return std::nullopt;
+      auto meta = nlohmann::json::parse(
+          std::string(reinterpret_cast<const char*>(segment->data()) + sizeof header_size, header_size));
+      std::size_t data_bytes = 0;
+      const auto tensors = state_tensors();
+      const auto& numel = meta.at("numel");
+      if (numel.size() != tensors.size()) return std::nullopt;
+      for (std::size_t i = 0; i < tensors.size(); ++i) {
+        if (numel[i].get<std::int64_t>() != tensors[i].numel()) return std::nullopt;
+        data_bytes += static_cast<std::size_t>(tensors[i].numel()) * sizeof(float);
+      }
+      if (sizeof header_size + header_size + data_bytes != segment->size() ||
+          meta.at("seed").get<std::uint64_t>() != args_.seed || meta.at("step").get<std::uint64_t>() != best->first)
+        return std::nullopt;
+      return MemorySnapshot{best->first, std::move(meta), std::move(*segment), sizeof header_size + header_size};
+    } catch (const std::exception& e) {
+      log("warning: reading the memory snapshot: {}", e.what());
+      return std::nullopt;
+    }
+  }
+
+  // Every rank takes the same decision: {MIN over ranks of the memory step (-1: none), MAX of the
+  // newest file step (-1: none)}.
+  std::pair<std::int64_t, std::int64_t> agree_on_steps(std::int64_t memory_step, std::int64_t file_step) {
+    if (!pg_) return {memory_step, file_step};
+    auto t = torch::tensor({memory_step, -file_step}, torch::kInt64);
+    std::vector<torch::Tensor> bufs{t};
+    pg_->allreduce(bufs, c10d::AllreduceOptions{c10d::ReduceOp::MIN})->wait();
+    return {t[0].item<std::int64_t>(), -t[1].item<std::int64_t>()};
+  }
+
+  // Restores from the agent's memory when every rank holds the agreed step and it is not older
+  // than the newest file checkpoint; returns the step, or nullopt (then the file tier decides).
+  std::optional<std::uint64_t> restore_from_memory() {
+    if (!memory_) return std::nullopt;
+    auto snapshot = memory_snapshot();
+    std::int64_t file_step = -1;
+    if (!args_.ckpt_dir.empty())
+      for (const auto& entry : elastrun::ckpt::list_steps(args_.ckpt_dir))
+        file_step = std::max(file_step, static_cast<std::int64_t>(entry.step));
+    const auto [memory_step, newest_file] =
+        agree_on_steps(snapshot ? static_cast<std::int64_t>(snapshot->step) : -1, file_step);
+    // every rank must hold that very step: a rank with a newer one fetches the agreed one instead
+    if (memory_step < 0 || memory_step < newest_file) return std::nullopt;
+    if (snapshot && static_cast<std::int64_t>(snapshot->step) != memory_step)
+      snapshot = memory_snapshot(static_cast<std::uint64_t>(memory_step));
+    std::int64_t have = snapshot ? 1 : 0;
+    if (pg_) {
+      auto t = torch::tensor({have}, torch::kInt64);
+      std::vector<torch::Tensor> bufs{t};
+      pg_->allreduce(bufs, c10d::AllreduceOptions{c10d::ReduceOp::MIN})->wait();
+      have = t[0].item<std::int64_t>();
+    }
+    if (have == 0) {
+      if (rank_ == 0) log("memory snapshot of step {} not on every rank: using the file tier", memory_step);
+      return std::nullopt;
+    }
+    torch::NoGradGuard no_grad;
+    std::size_t at = snapshot->data_offset;
+    for (auto& t : state_tensors()) {
+      const auto n = static_cast<std::size_t>(t.numel());
+      auto source = torch::from_blob(snapshot->segment.data() + at, {t.numel()}, torch::kFloat32);
+      t.copy_(source.view(t.sizes()));
+      at += n * sizeof(float);
+    }
+    const auto& meta = snapshot->meta;
+    const auto step = snapshot->step;
+    next_sample_ = meta.at("next_sample").get<std::uint64_t>();
+    if (meta.contains("loss") && meta.at("loss").is_number()) resumed_loss_ = meta.at("loss").get<double>();
+    const int saved_world = meta.value("world_size", 0);
+    if (rank_ == 0) {
+      log("resumed from step {} in the agents' memory (saved by a world of {}, now {}; newest file checkpoint: {})",
+          step, saved_world, world_, newest_file < 0 ? std::string("none") : std::to_string(newest_file));
+      events_.write("resumed", rank_,
+                    {{"step", step},
+                     {"source", "memory-local"},
+                     {"world_size", world_},
+                     {"saved_world_size", saved_world},
+                     {"next_sample", next_sample_}});
+    }
+    return step;
+  }
+
   std::uint64_t restore() {
+    if (auto step = restore_from_memory()) return *step;
     if (args_.ckpt_dir.empty()) return 0;
     elastrun::ckpt::torch_adapter::RestoreTargets targets;
     torch::NoGradGuard no_grad;
@@ -596,9 +786,12 @@ class Trainer {
     const int saved_world = meta.value("world_size", 0);
     if (rank_ == 0) {
       log("resumed from step {} (saved by a world of {}, now {})", step, saved_world, world_);
-      events_.write(
-          "resumed", rank_,
-          {{"step", step}, {"world_size", world_}, {"saved_world_size", saved_world}, {"next_sample", next_sample_}});
+      events_.write("resumed", rank_,
+                    {{"step", step},
+                     {"source", "file"},
+                     {"world_size", world_},
+                     {"saved_world_size", saved_world},
+                     {"next_sample", next_sample_}});
     }
     return step;
   }
@@ -623,6 +816,8 @@ class Trainer {
   std::mutex log_mutex_;
   const std::string prefix_ = line_prefix();
   std::unique_ptr<elastrun::ckpt::AsyncSaver> saver_;
+  std::optional<elastrun::worker::MemoryTier> memory_;  // --memory-every under --memory-checkpoints
+  bool memory_warned_ = false;
   std::thread tracker_;
   std::exception_ptr tracker_error_;
 };
@@ -655,6 +850,8 @@ int main(int argc, char** argv) {
   app.add_option("--ckpt-dir", args.ckpt_dir,
                  "checkpoint directory (default: $ELASTRUN_CHECKPOINT_DIR; none: no checkpoints)");
   app.add_option("--ckpt-every", args.ckpt_every, "save every N steps (0: only at the end and when asked)");
+  app.add_option("--memory-every", args.memory_every,
+                 "also snapshot into the node agent's memory every N steps (elastrun --memory-checkpoints; 0: never)");
   app.add_option("--step-ms", args.step_ms, "sleep this long in each step")->check(CLI::NonNegativeNumber);
   app.add_option("--hidden", args.hidden, "hidden layer width")->check(CLI::PositiveNumber);
   app.add_option("--lr", args.lr, "learning rate (default 0.05 for sgd, 0.005 for adam)")->check(CLI::PositiveNumber);

@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <set>
 #include <system_error>
 #include <vector>
 
@@ -29,13 +30,15 @@ util::UniqueFd MemorySegments::allocate(std::uint64_t step, int rank, std::uint6
   std::lock_guard lock(mutex_);
   const Key key{rank, step};
   drop_locked(key);  // a snapshot of the same step started again (its writer died, or retried)
-  // Room: the rank's older committed steps, oldest first, never its newest committed one.
+  // Room: committed segments of steps older than the node's newest committed step, oldest first
+  // (never the newest: the one a restore needs until the next step is complete everywhere).
   while (used_locked() + bytes > budget_) {
-    std::vector<Key> committed;
+    const auto newest = newest_committed_locked();
+    std::optional<Key> oldest;
     for (const auto& [k, s] : segments_)
-      if (k.rank == rank && s.committed && k.step < step) committed.push_back(k);
-    if (committed.size() < 2) break;
-    drop_locked(committed.front());
+      if (s.committed && newest && k.step < *newest && (!oldest || k.step < oldest->step)) oldest = k;
+    if (!oldest) break;
+    drop_locked(*oldest);
   }
   if (used_locked() + bytes > budget_)
     throw MemoryBudgetError(fmt::format(
@@ -69,15 +72,24 @@ void MemorySegments::commit(std::uint64_t step, int rank, std::uint64_t checksum
     segment.committed = true;
     segment.checksum = checksum;
   }
-  // retention: this rank's committed steps beyond kKeepPerRank, and its unfinished older ones
-  std::vector<Key> committed, stale;
-  for (const auto& [k, s] : segments_) {
-    if (k.rank != rank) continue;
-    if (s.committed) committed.push_back(k);
-    if (!s.committed && k.step < step) stale.push_back(k);
-  }
-  for (std::size_t i = 0; i + kKeepPerRank < committed.size(); ++i) drop_locked(committed[i]);
-  for (const auto& k : stale) drop_locked(k);
+  // retention, node-wide: the kKeepSteps newest committed steps (of any rank: ranks may be
+  // renumbered by a re-form), and this rank's unfinished older snapshots
+  std::set<std::uint64_t> steps;
+  for (const auto& [k, s] : segments_)
+    if (s.committed) steps.insert(k.step);
+  while (steps.size() > kKeepSteps) steps.erase(steps.begin());
+  std::vector<Key> dropped;
+  for (const auto& [k, s] : segments_)
+    if ((s.committed && !steps.contains(k.step)) || (!s.committed && k.rank == rank && k.step < step))
+      dropped.push_back(k);
+  for (const auto& k : dropped) drop_locked(k);
+}
+
+std::optional<std::uint64_t> MemorySegments::newest_committed_locked() const {
+  std::optional<std::uint64_t> newest;
+  for (const auto& [k, s] : segments_)
+    if (s.committed && (!newest || k.step > *newest)) newest = k.step;
+  return newest;
 }
 
 std::optional<MemorySegments::Found> MemorySegments::find(int rank, std::optional<std::uint64_t> step) const {

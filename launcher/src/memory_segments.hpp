@@ -29,20 +29,21 @@ class MemoryBudgetError : public std::runtime_error {
 
 class MemorySegments {
  public:
-  // Committed segments kept per rank: the newest and the one before (a snapshot that fails its
-  // check falls back to the previous one).
-  static constexpr int kKeepPerRank = 2;
+  // Committed steps kept on the node (every rank's segments of them): the newest and the one
+  // before -- the ranks of a job agree on the oldest newest step they hold, which may be one
+  // behind this node's (a rank stopped before its snapshot of the last step).
+  static constexpr std::size_t kKeepSteps = 2;
 
   explicit MemorySegments(std::uint64_t budget_bytes) : budget_(budget_bytes) {}
 
   // A new writable segment of `bytes` for (step, rank), replacing an uncommitted one of the same
-  // key; older committed steps of the rank (never its newest) make room if needed. Returns a
+  // key; committed steps older than the node's newest make room if needed (never the newest). Returns a
   // descriptor of it for the caller to pass on. Throws MemoryBudgetError when the budget cannot
   // hold it, std::system_error when memfd_create fails.
   util::UniqueFd allocate(std::uint64_t step, int rank, std::uint64_t bytes);
 
-  // Seals (step, rank) against writes and resizing and records its checksum; drops the rank's
-  // committed steps beyond kKeepPerRank and its uncommitted older ones. Throws
+  // Seals (step, rank) against writes and resizing and records its checksum; drops committed
+  // steps beyond the kKeepSteps newest (any rank) and this rank's uncommitted older ones. Throws
   // std::invalid_argument for an unknown segment or one still mapped writable somewhere.
   void commit(std::uint64_t step, int rank, std::uint64_t checksum);
 
@@ -69,6 +70,7 @@ class MemorySegments {
     bool committed = false;
   };
   std::uint64_t used_locked() const;
+  std::optional<std::uint64_t> newest_committed_locked() const;
   void drop_locked(const Key& key);
 
   const std::uint64_t budget_;

@@ -51,7 +51,8 @@ namespace {
 template <class T>
 T field(const nlohmann::json& request, const char* name) {
   const auto it = request.find(name);
-  if (it == request.end() || !it->is_number_integer() || (std::is_unsigned_v<T> && it->get<std::int64_t>() < 0))
+  // an unsigned field takes the whole 64-bit range (a checksum): JSON's unsigned numbers
+  if (it == request.end() || !it->is_number_integer() || (std::is_unsigned_v<T> && !it->is_number_unsigned()))
     throw std::invalid_argument(
         fmt::format("'{}' is missing or not a {}integer", name, std::is_unsigned_v<T> ? "non-negative " : ""));
   return it->get<T>();

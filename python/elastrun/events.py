@@ -151,6 +151,10 @@ def timeline(events: List[Dict[str, Any]]) -> Timeline:
     return Timeline(*_summarize(events))
 
 
+# where a resume came from ("source" of a resumed event), in a timeline's words
+_RESUME_SOURCES = {"file": "checkpoint", "memory-local": "the agents' memory at", "memory-partner": "a partner agent's memory at"}
+
+
 def _summarize(events):
     """One list of (time, text) lines, and the series the plot needs."""
     t0 = events[0]["time"]
@@ -158,6 +162,7 @@ def _summarize(events):
     seen_rounds, seen_lost, seen_ckpt = set(), {}, set()
     last_loss_time, last_cause = None, ""
     resumes = []
+    memory_snapshots = 0
     for e in events:
         t, kind = e["time"], e["event"]
         if kind == "round" and (e.get("run_id"), e.get("generation")) not in seen_rounds:
@@ -199,6 +204,8 @@ def _summarize(events):
             marks.append(("worker failed", t))
             if e.get("action") == "restart":
                 last_loss_time, last_cause = t, "failure"
+        elif kind == "checkpoint_saved" and e.get("tier") == "memory":
+            memory_snapshots += 1  # one per step or so: counted, not listed
         elif kind == "checkpoint_saved" and (e.get("run_id"), e.get("step")) not in seen_ckpt:
             seen_ckpt.add((e.get("run_id"), e.get("step")))
             size = e.get("bytes", 0)
@@ -208,7 +215,11 @@ def _summarize(events):
             marks.append(("checkpoint", t))
         elif kind == "resumed":
             resumes.append(e.get("step"))
-            lines.append((t, f"resumed from checkpoint step {e.get('step')} at world size {e.get('world_size')}"))
+            source = _RESUME_SOURCES.get(e.get("source"), "checkpoint")
+            done = max((s for s, _, _, when in losses if when <= t and s is not None), default=None)
+            lost = f"; {done - e['step']} step(s) of work lost" if done is not None and e.get("step") is not None \
+                and done >= e["step"] else ""
+            lines.append((t, f"resumed from {source} step {e.get('step')} at world size {e.get('world_size')}{lost}"))
         elif kind == "checkpoint_request":
             lines.append((t, f"node {e['node']}: checkpoint requested ({e.get('kind')}: {e.get('reason')})"))
         elif kind == "requeue":
@@ -221,6 +232,8 @@ def _summarize(events):
             lines.append((t, f"training done at step {e.get('step')}: final loss {e.get('loss')}"))
         elif kind == "exit":
             pass
+    if memory_snapshots:
+        lines.append((events[-1]["time"], f"{memory_snapshots} memory snapshot(s) taken (rank 0)"))
     codes = {}
     for e in events:
         if e["event"] == "exit":

@@ -69,24 +69,27 @@ TEST(MemorySegments, RetentionAndBudget) {
     segments.allocate(step, 0, 4096);
     segments.commit(step, 0, step);
   }
-  EXPECT_EQ(segments.used(), 2u * 4096) << "two committed steps kept per rank";
+  EXPECT_EQ(segments.used(), 2u * 4096) << "the two newest committed steps are kept";
   EXPECT_FALSE(segments.find(0, 2));
   EXPECT_TRUE(segments.find(0, 3));
-  // rank 1 needs two pages: rank 0 keeps its newest, so the budget cannot hold both
-  segments.allocate(1, 1, 4096);
+  // a re-formed rank (another number) needs two pages: step 3 (older than the newest) makes room
+  segments.allocate(5, 1, 2 * 4096);
+  EXPECT_FALSE(segments.find(0, 3));
+  EXPECT_TRUE(segments.find(0, 4)) << "the newest committed step stays until the next is committed";
   try {
-    segments.allocate(2, 1, 2 * 4096);
+    segments.allocate(5, 2, 4096);
     FAIL() << "over budget";
   } catch (const MemoryBudgetError& e) {
     EXPECT_NE(std::string(e.what()).find("--memory-checkpoints"), std::string::npos) << e.what();
   }
-  // an older committed step of the same rank makes room, never the newest
-  segments.allocate(5, 0, 4096);
-  EXPECT_TRUE(segments.find(0, 4)) << "the newest committed step stays until the next is committed";
-  EXPECT_FALSE(segments.find(0, 3));
+  segments.commit(5, 1, 5);
   const auto list = segments.list();
   EXPECT_EQ(list["budget"], 3 * 4096);
-  EXPECT_EQ(list["segments"].size(), 3u);
+  EXPECT_EQ(list["segments"].size(), 2u) << list.dump();
+  segments.allocate(6, 1, 4096);
+  segments.commit(6, 1, 6);
+  EXPECT_FALSE(segments.find(0, 4)) << "older than the two newest steps (5, 6): gone, whatever its rank";
+  EXPECT_TRUE(segments.find(1, 5));
 }
 
 // The worker's client against a real runtime's endpoint: the segment outlives the client's
@@ -101,14 +104,14 @@ TEST(MemoryTier, WorkerClientThroughTheNodeEndpoint) {
     auto segment = tier.allocate(7, 2, 10000);
     std::iota(reinterpret_cast<unsigned char*>(segment.data()),
               reinterpret_cast<unsigned char*>(segment.data()) + segment.size(), 0);
-    tier.commit(std::move(segment), 0xabcdef);
+    tier.commit(std::move(segment), 0xfedcba9876543210ULL);  // all 64 bits
   }
   worker::MemoryTier tier(runtime.endpoint_address());
   auto back = tier.newest(2);
   ASSERT_TRUE(back);
   EXPECT_EQ(back->step(), 7u);
   EXPECT_EQ(back->size(), 10000u);
-  EXPECT_EQ(back->checksum(), 0xabcdefu);
+  EXPECT_EQ(back->checksum(), 0xfedcba9876543210ULL);
   EXPECT_EQ(static_cast<unsigned char>(back->data()[9999]), 9999 % 256);
   EXPECT_FALSE(tier.newest(3));
   EXPECT_EQ(tier.list()["used"], 10000);
