@@ -734,14 +734,19 @@ class Trainer {
     if (rank_ == 0) {
       log("resumed from step {} in the agents' memory (saved by a world of {}, now {}; newest file checkpoint: {})",
           step, saved_world, world_, newest_file < 0 ? std::string("none") : std::to_string(newest_file));
-      events_.write("resumed", rank_,
-                    {{"step", step},
-                     {"source", "memory-local"},
-                     {"world_size", world_},
-                     {"saved_world_size", saved_world},
-                     {"next_sample", next_sample_}});
+      write_resumed(step, "memory-local", saved_world);
     }
     return step;
+  }
+
+  // rank 0's "resumed" event; source: where the state came from (file, memory-local)
+  void write_resumed(std::uint64_t step, std::string_view source, int saved_world) {
+    events_.write("resumed", rank_,
+                  {{"step", step},
+                   {"source", source},
+                   {"world_size", world_},
+                   {"saved_world_size", saved_world},
+                   {"next_sample", next_sample_}});
   }
 
   std::uint64_t restore() {
@@ -786,12 +791,7 @@ class Trainer {
     const int saved_world = meta.value("world_size", 0);
     if (rank_ == 0) {
       log("resumed from step {} (saved by a world of {}, now {})", step, saved_world, world_);
-      events_.write("resumed", rank_,
-                    {{"step", step},
-                     {"source", "file"},
-                     {"world_size", world_},
-                     {"saved_world_size", saved_world},
-                     {"next_sample", next_sample_}});
+      write_resumed(step, "file", saved_world);
     }
     return step;
   }
