@@ -11,6 +11,7 @@
 #include <thread>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include "job_outcome.hpp"
@@ -66,6 +67,12 @@ int Agent::run() {
                                       : fs::path(o_.log_dir) / plan_.run_id;
   }
   for (const auto& key : o_.ignored_rdzv_conf) spdlog::info("--rdzv-conf {}: accepted, no effect here", key);
+  for (const auto& key : o_.unknown_rdzv_conf)
+    spdlog::warn(
+        "warning: --rdzv-conf {}: unknown key, ignored (known: join_timeout, last_call_timeout, "
+        "heartbeat_timeout, is_host, and torchrun's timeout, keep_alive_interval, keep_alive_max_attempt, "
+        "read_timeout, close_timeout, store_type, use_libuv, ...)",
+        key);
   for (const auto& note : o_.notes) spdlog::info("{}", note);
   if (const char* on = std::getenv("TORCHELASTIC_ENABLE_FILE_TIMER"); on && std::string_view(on) == "1") {
     // torch's FileTimerServer protocol: the FIFO named by TORCHELASTIC_TIMER_FILE, else one of ours
@@ -275,6 +282,15 @@ Transition Agent::failed(states::Failed entered) {
   FailedObservation seen;
   seen.settle_change = wait_for_change(kFailureSettle);
   seen.max_restarts = o_.max_restarts;
+  if (seen.settle_change == Change::None || seen.settle_change == Change::MemberWaiting) {
+    // Before counting: did a peer node die? (Its workers' death breaks ours within ~0.1 s; an
+    // etcd lease tells of it seconds later.)
+    auto confirmation = rdzv_->confirm_members(o_.heartbeat_timeout);
+    if (confirmation.change != Change::None) seen.settle_change = note_change(confirmation.change);
+    seen.unconfirmed = std::move(confirmation.unconfirmed);
+    for (const auto& node : seen.unconfirmed)
+      events().emit(contract::event::kMemberLost, {{"member", node}, {"how", "unconfirmed"}});
+  }
   collect_exits();  // the other local workers may have failed meanwhile
   auto action = next_failed_action(seen);
   for (; action == FailedAction::ClaimRestart || action == FailedAction::CountRestart;
@@ -293,8 +309,15 @@ Transition Agent::failed(states::Failed entered) {
     case FailedAction::ExitClosed:  // someone gave up: stop, report, exit with the close reason
       break;
     case FailedAction::ReformUncounted:
-      spdlog::info("the failure coincides with a membership change ({}): not counted against --max-restarts",
-                   to_string(change));
+      record_losses(seen, entered.failures);
+      if (!seen.unconfirmed.empty())
+        spdlog::warn(
+            "node(s) {} did not confirm within {} ms that their agents are alive: lost; the failure is "
+            "not counted against --max-restarts",
+            fmt::join(seen.unconfirmed, ", "), o_.heartbeat_timeout.count());
+      else
+        spdlog::info("the failure coincides with a membership change ({}): not counted against --max-restarts",
+                     to_string(change));
       break;
     case FailedAction::AwaitClaimer:
       // Wait for the claimer's decision: a new round (Reform) or the budget used up (Closed).
@@ -539,10 +562,34 @@ void Agent::write_outcome(JobOutcome outcome, int exit_code) {
   if (ec) spdlog::warn("warning: cannot rename {} to {}: {}", tmp, o_.outcome_file, ec.message());
 }
 
+// A lost member that explains local worker failures is their root cause: recorded (and
+// published for the job-wide summary) just before the first of them.
+void Agent::record_losses(const FailedObservation& seen, const std::vector<WorkerExit>& failures) {
+  if (failures.empty()) return;
+  auto first = std::min_element(failures.begin(), failures.end(), [](const auto& a, const auto& b) {
+                 return a.when < b.when;
+               })->when;
+  first -= Millis(1);
+  const auto agent_key = fmt::format("{}.{}", plan_.me.node_name, plan_.me.pid);
+  for (const auto& node : seen.unconfirmed)
+    failures_.add_loss(node,
+                       fmt::format("its agent did not answer within {} ms of worker failures on {}",
+                                   o_.heartbeat_timeout.count(), plan_.me.node_name),
+                       first, *rdzv_, agent_key);
+  if (seen.settle_change == Change::MemberLost && rdzv_->last_loss()) {
+    const auto& loss = *rdzv_->last_loss();
+    failures_.add_loss(loss.node_name,
+                       loss.how.empty() ? std::string("its agent's lease ended")
+                                        : fmt::format("its agent's lease ended ({})", loss.how),
+                       first, *rdzv_, agent_key);
+  }
+}
+
 // Every wait for a membership change goes through here, so that each member lost is in the
 // event log whichever state noticed it (MONITOR, FAILED's settle window, the scale-up checkpoint).
-Change Agent::wait_for_change(Millis timeout) {
-  const Change change = rdzv_->wait_for_change(timeout);
+Change Agent::wait_for_change(Millis timeout) { return note_change(rdzv_->wait_for_change(timeout)); }
+
+Change Agent::note_change(Change change) {
   if (change == Change::MemberLost && rdzv_->last_loss()) {
     const auto& loss = *rdzv_->last_loss();
     nlohmann::ordered_json fields = {{"member", loss.node_name}, {"how", loss.how}};

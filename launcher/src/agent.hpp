@@ -46,6 +46,7 @@
 #include "job_outcome.hpp"
 #include "node_runtime.hpp"
 #include "options.hpp"
+#include "restart_policy.hpp"
 #include "signals.hpp"
 #include "workers.hpp"
 
@@ -145,7 +146,9 @@ class Agent {
   void log_state(std::string_view name, const std::string& what);   // and its event
   void record_exit(const WorkerExit& e);                            // the event of every worker exit
   rdzv::Change wait_for_change(std::chrono::milliseconds timeout);  // and the member_lost event
-  void write_outcome(JobOutcome outcome, int exit_code);            // --outcome-file, group rank 0
+  rdzv::Change note_change(rdzv::Change change);                    // the event of a change seen elsewhere
+  void record_losses(const FailedObservation& seen, const std::vector<WorkerExit>& failures);
+  void write_outcome(JobOutcome outcome, int exit_code);  // --outcome-file, group rank 0
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
   static StopRequest stop_for_signal(int sig, std::string_view detail = {});  // Slurm's warning, preemption

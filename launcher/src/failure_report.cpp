@@ -16,6 +16,7 @@ std::string Failure::how() const {
 }
 
 std::string Failure::one_line() const {
+  if (!lost.empty()) return fmt::format("node {} lost: {}", node, lost);
   std::string line = fmt::format("rank {} (local rank {}, node {}) {}", rank, local_rank, node, how());
   if (!watchdog.empty()) line += fmt::format(" by the agent: {}", watchdog);
   if (!exec_error.empty())
@@ -37,6 +38,7 @@ nlohmann::json Failure::to_json() const {
       {"error_file", error_file},
       {"exec_error", exec_error}};
   if (!watchdog.empty()) j["watchdog"] = watchdog;
+  if (!lost.empty()) j["lost"] = lost;
   if (!stacks.empty()) j["stacks"] = stacks.substr(0, 16384);
   if (error) j["error"] = {{"message", error->message}, {"traceback", error->traceback.substr(0, 4096)}};
   return j;
@@ -56,6 +58,7 @@ std::optional<Failure> Failure::from_json(const std::string& text) {
   f.error_file = j.value("error_file", std::string());
   f.exec_error = j.value("exec_error", std::string());
   f.watchdog = j.value("watchdog", std::string());
+  f.lost = j.value("lost", std::string());
   f.stacks = j.value("stacks", std::string());
   if (j.contains("error") && j["error"].is_object())
     f.error =
@@ -94,10 +97,14 @@ std::vector<std::string> summary_lines(const std::string& run_id, const std::vec
   out.push_back("root cause (first failure):");
   out.push_back(fmt::format("  time       : {}", iso_time(root->when)));
   out.push_back(fmt::format("  node       : {}", root->node));
-  out.push_back(fmt::format("  rank       : {} (local rank {})", root->rank, root->local_rank));
-  out.push_back(fmt::format("  {:<11}: {}", root->signal ? "signal" : "exit code",
-                            root->signal ? fmt::format("{} ({})", signal_name(root->signal), root->signal)
-                                         : std::to_string(root->exit_code)));
+  if (!root->lost.empty()) {
+    out.push_back(fmt::format("  lost       : {}", root->lost));
+  } else {
+    out.push_back(fmt::format("  rank       : {} (local rank {})", root->rank, root->local_rank));
+    out.push_back(fmt::format("  {:<11}: {}", root->signal ? "signal" : "exit code",
+                              root->signal ? fmt::format("{} ({})", signal_name(root->signal), root->signal)
+                                           : std::to_string(root->exit_code)));
+  }
   out.push_back(fmt::format("  restart    : {} of {}", root->restart_count, max_restarts));
   if (!root->exec_error.empty()) out.push_back(fmt::format("  error      : {}", root->exec_error));
   if (!root->watchdog.empty()) out.push_back(fmt::format("  killed     : by the agent: {}", root->watchdog));
@@ -131,8 +138,12 @@ std::vector<std::string> summary_lines(const std::string& run_id, const std::vec
   if (failures.size() > 1) {
     out.push_back(job_wide ? "other failures (all nodes, by time):" : "other failures on this node:");
     std::vector<const Failure*> others;
-    for (const auto& f : failures)
-      if (&f != &*root) others.push_back(&f);
+    for (const auto& f : failures) {
+      // every survivor records the same lost node: list it once
+      const auto same_loss = [&](const Failure* o) { return !f.lost.empty() && !o->lost.empty() && o->node == f.node; };
+      if (&f != &*root && !same_loss(&*root) && std::none_of(others.begin(), others.end(), same_loss))
+        others.push_back(&f);
+    }
     std::stable_sort(others.begin(), others.end(), [&](const Failure* a, const Failure* b) { return by_time(*a, *b); });
     for (const auto* f : others) out.push_back(fmt::format("  {} {}", iso_time(f->when), f->one_line()));
   }
@@ -142,6 +153,24 @@ std::vector<std::string> summary_lines(const std::string& run_id, const std::vec
 
 void FailureReport::add(Failure f, rdzv::Rendezvous& rdzv, const std::string& agent_key, pid_t pid) {
   spdlog::warn("worker {} (pid {}) failed: {}", f.rank, pid, f.one_line());
+  try {
+    rdzv.publish(fmt::format("failures/{}/{:06}", agent_key, failures_.size()), f.to_json().dump());
+  } catch (const std::exception& ex) {
+    spdlog::warn("warning: publishing the failure for the job-wide summary: {}", ex.what());
+  }
+  failures_.push_back(std::move(f));
+}
+
+void FailureReport::add_loss(const std::string& node, const std::string& how,
+                             std::chrono::system_clock::time_point when, rdzv::Rendezvous& rdzv,
+                             const std::string& agent_key) {
+  Failure f;
+  f.when = when;
+  f.node = node;
+  f.rank = -1;
+  f.lost = how;
+  f.restart_count = failures_.empty() ? 0 : failures_.back().restart_count;
+  spdlog::warn("{}", f.one_line());
   try {
     rdzv.publish(fmt::format("failures/{}/{:06}", agent_key, failures_.size()), f.to_json().dump());
   } catch (const std::exception& ex) {

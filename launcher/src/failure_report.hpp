@@ -33,10 +33,14 @@ struct Failure {
   std::string exec_error;
   std::string watchdog;  // why the agent killed it: "no progress for 5 s (--hang-timeout)", a torch FileTimer
   std::string stacks;    // the hung worker's stacks, taken before it was killed (--hang-timeout)
+  // Not a worker's failure but a member node lost (`node`; rank -1), and how it was found:
+  // recorded just before the worker failures it caused, so that it is the root cause.
+  std::string lost;
 
   // "exited with code 5", "killed by SIGSEGV (11)"
   std::string how() const;
-  // "rank 1 (local rank 1, node n2) exited with code 5: <error message>"
+  // "rank 1 (local rank 1, node n2) exited with code 5: <error message>";
+  // "node n3 lost: <how>" for a lost member
   std::string one_line() const;
   nlohmann::json to_json() const;
   // nullopt for text that is not a JSON object; missing fields take their defaults.
@@ -61,6 +65,9 @@ class FailureReport {
   // Logs the failure, publishes it for the job-wide summary (best effort: the store may be
   // gone) under a key unique to this agent (`agent_key`, e.g. "<node>.<pid>"), and keeps it.
   void add(Failure failure, rdzv::Rendezvous& rdzv, const std::string& agent_key, pid_t pid);
+  // A member node lost (`how` it was found), dated `when` (just before the failures it caused).
+  void add_loss(const std::string& node, const std::string& how, std::chrono::system_clock::time_point when,
+                rdzv::Rendezvous& rdzv, const std::string& agent_key);
   bool empty() const { return failures_.empty(); }
   const Failure& first() const { return failures_.front(); }
   const Failure& last() const { return failures_.back(); }

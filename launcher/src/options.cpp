@@ -134,14 +134,22 @@ bool parse_bool(const std::string& flag, const std::string& value) {
   throw UsageError(fmt::format("{}='{}' must be true or false (also 1/0, yes/no, on/off)", flag, value));
 }
 
+// Quotes around the whole value ('k=v,k2=v2'): PyTorch's own launcher tests pass them literally
+// (no shell strips them) and torchrun, which ignores keys it does not know, then runs anyway.
+std::string_view unquoted(std::string_view text) {
+  while (text.size() >= 2 && (text.front() == '\'' || text.front() == '"') && text.back() == text.front())
+    text = text.substr(1, text.size() - 2);
+  return text;
+}
+
 // Every key torchrun (1.x and 2.x) knows is accepted: mapped where it means something here,
-// otherwise logged as "no effect". A key unknown to both is an error, and so is a quoted
-// value ('k=v', which PyTorch's own tests pass literally): the quotes would be part of the key.
+// otherwise logged as "no effect". A key unknown to both is kept for one warning line (torchrun
+// ignores such keys too: a conf written for another backend must not stop the job).
 void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
   std::optional<Millis> timeout, keep_alive_interval;
   std::optional<long> keep_alive_attempts;
   bool join_given = false, heartbeat_given = false;
-  for (auto item : util::split_list(text)) {
+  for (auto item : util::split_list(unquoted(text))) {
     if (item.empty()) continue;
     auto eq = item.find('=');
     if (eq == std::string_view::npos) throw UsageError(fmt::format("--rdzv-conf: '{}' is not KEY=VALUE", item));
@@ -168,11 +176,7 @@ void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
                key == "local_addr" || key == "rank")
       o.ignored_rdzv_conf.push_back(key);
     else
-      throw UsageError(
-          fmt::format("--rdzv-conf: unknown key '{}' (known: join_timeout, last_call_timeout, "
-                      "heartbeat_timeout, is_host, and torchrun's timeout, keep_alive_interval, "
-                      "keep_alive_max_attempt, read_timeout, close_timeout, store_type, use_libuv, ...)",
-                      util::printable(key, 60)));
+      o.unknown_rdzv_conf.push_back(util::printable(key, 60));
   }
   if (timeout && !join_given) o.join_timeout = *timeout;
   if ((keep_alive_interval || keep_alive_attempts) && !heartbeat_given)

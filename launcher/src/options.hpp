@@ -60,6 +60,7 @@ struct AgentOptions {
   Millis heartbeat_timeout{3000};
   std::optional<bool> is_host;
   std::vector<std::string> ignored_rdzv_conf;  // torchrun keys accepted without effect
+  std::vector<std::string> unknown_rdzv_conf;  // keys neither we nor torchrun know: one warning each
   std::vector<std::string> notes;              // torchrun flags accepted without (full) effect: one line each at start
   bool standalone = false;
   int max_restarts = 0;

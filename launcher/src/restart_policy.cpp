@@ -29,6 +29,8 @@ FailedAction next_failed_action(const FailedObservation& seen) {
     case Change::None:
     case Change::MemberWaiting: break;
   }
+  // A member that cannot confirm it is alive is lost: its node's death broke our collectives.
+  if (!seen.unconfirmed.empty()) return FailedAction::ReformUncounted;
   // Workers failed on several nodes in this round at once (one crash breaks the others'
   // collectives): one restart per round, counted by the agent that claimed it first.
   if (!seen.claims) return FailedAction::ClaimRestart;

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include "elastrun/rdzv/rendezvous.hpp"
 
@@ -25,6 +27,9 @@ std::string_view to_string(FailedAction action);
 struct FailedObservation {
   // What happened during the settle window after the local failure.
   rdzv::Change settle_change = rdzv::Change::None;
+  // Members of the round whose agents did not confirm they are alive after the failure
+  // (Rendezvous::confirm_members): lost, though the store may not say so yet.
+  std::vector<std::string> unconfirmed;
   std::optional<std::int64_t> claims;    // this round's restart claims after our ClaimRestart
   std::optional<std::int64_t> restarts;  // the job-wide restart count after our CountRestart
   int max_restarts = 0;

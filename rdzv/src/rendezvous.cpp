@@ -10,6 +10,8 @@
 //   P r/<gen>/ctl/master       "addr:port" of the workers' process group, from group rank 0
 //   P r/<gen>/barrier/<name>   barrier counters
 //   P counter/<name>           job-wide counters (restarts)
+//   P probe/<gen>              after a local failure: "every agent of round <gen>, answer"
+//   elastrun/<run id>.ack/<gen>/<member>   the answers: outside P, so no one is woken by them
 // Forming members watch only r/<gen>/ctl/, so N joins cost O(N) wake-ups, not O(N^2).
 #include "elastrun/rdzv/rendezvous.hpp"
 
@@ -225,6 +227,7 @@ const RoundResult& Rendezvous::next_round() {
       }
       if (auto result = try_form(gen)) {
         round_ = std::move(*result);
+        failed_over_ = false;
         return round_;
       }
     } catch (const StoreError& e) {
@@ -258,8 +261,17 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
   me_.master_port = listen_tcp("0.0.0.0", 0).port;
   kv_->set(round + "join/" + my_key_, member_line(me_), lease_);
   auto joined = kv_->add(round + "count", 1);
+  // A re-form (we were in a round before) closes as soon as every live agent of the job is in:
+  // the last call is for members that may still come, and after a loss none will. Only the last
+  // few joiners look (each look reads every live member's key: O(N) per look).
+  constexpr int kQuickFormLooks = 8;
+  // Not on a standby store we just moved to: the survivors that have not moved yet are not
+  // in its alive/ list, and would be left out.
+  const bool may_be_last = round_.generation > 0 && !failed_over_ && joined + kQuickFormLooks > round_.group_world_size;
   if (joined >= config_.max_nodes)
     try_close(gen);
+  else if (joined >= config_.min_nodes && may_be_last && every_live_agent_joined(gen) && try_close(gen))
+    spdlog::debug("[rdzv] round {}: every live agent joined; formed without the last call", gen);
   else if (joined >= config_.min_nodes)
     kv_->compare_and_set(ctl + "last_call", std::nullopt,
                          std::to_string(wall_ms() + config_.last_call_timeout.count()));
@@ -317,6 +329,21 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
       if (auto lc = kv_->get(ctl + "last_call")) last_call = lc->value;
     }
   }
+}
+
+bool Rendezvous::every_live_agent_joined(std::uint64_t gen) {
+  const auto round = fmt::format("{}r/{}/", prefix_, gen);
+  const auto live = prefix_ + "alive/";
+  auto joins = kv_->get_prefix(round + "join/");
+  std::vector<std::string_view> joined;
+  joined.reserve(joins.size());
+  for (const auto& kv : joins) joined.push_back(std::string_view(kv.key).substr(round.size() + 5));
+  std::sort(joined.begin(), joined.end());
+  // a member whose lease still runs but has not joined (lost, not yet
+  // expired) or a spare not yet in makes this false, and the last call waits for them
+  for (const auto& kv : kv_->get_prefix(live))
+    if (!std::binary_search(joined.begin(), joined.end(), std::string_view(kv.key).substr(live.size()))) return false;
+  return true;
 }
 
 bool Rendezvous::try_close(std::uint64_t gen) {
@@ -424,6 +451,7 @@ const std::vector<MemberInfo>& RoundResult::members() const {
 // state. Generations continue from the last one so fencing stays monotonic.
 void Rendezvous::fail_over() {
   if (!connector_) throw RendezvousError("the rendezvous store is lost and no standby is configured");
+  failed_over_ = true;
   const auto deadline = Clock::now() + std::max(config_.heartbeat_timeout * 4, Millis(10000));
   std::string last_error = "no member of the last round runs a standby store";
   while (Clock::now() < deadline) {
@@ -504,6 +532,9 @@ Change Rendezvous::wait_for_change(Millis timeout) {
             return Change::MemberLost;
           }
       }
+      if (key.starts_with("probe/") && e.type == WatchEvent::Type::Put &&
+          to_i64(key.substr(6)).value_or(-1) == static_cast<std::int64_t>(round_.generation))
+        answer_probe(round_.generation);
       if (key.starts_with("waiting/") && e.type == WatchEvent::Type::Put &&
           round_.group_world_size < config_.max_nodes && component_has_room(component_of_key(key.substr(8))))
         return Change::MemberWaiting;
@@ -518,6 +549,59 @@ bool Rendezvous::component_has_room(int component) const {
   int members = 0;
   for (const auto& m : round_.members()) members += m.het_component == component;
   return members < bounds[component].max;
+}
+
+std::string Rendezvous::answers_prefix(std::uint64_t gen) const {
+  return fmt::format("elastrun/{}.ack/{}/", config_.run_id, gen);
+}
+
+void Rendezvous::answer_probe(std::uint64_t gen) {
+  try {
+    kv_->set(answers_prefix(gen) + my_key_, "1", lease_);
+  } catch (const StoreError& e) {
+    // unanswered, we count as lost for the asker: the same as the store losing us
+    spdlog::warn("[rdzv] answering a liveness probe of round {}: {}", gen, e.what());
+    if (e.kind() == StoreErrorKind::ConnectionLost && connector_) store_lost_ = true;
+  }
+}
+
+Rendezvous::Confirmation Rendezvous::confirm_members(Millis timeout) {
+  Confirmation out;
+  const auto& members = round_.members();
+  if (members.size() <= 1) return out;
+  const auto gen = round_.generation;
+  const auto answers = answers_prefix(gen);
+  const auto deadline = Clock::now() + timeout;
+  try {
+    // one probe per round, whoever asks first; later askers read the same answers
+    kv_->compare_and_set(prefix_ + "probe/" + std::to_string(gen), std::nullopt, std::to_string(wall_ms()));
+    answer_probe(gen);
+    while (true) {
+      std::vector<std::string> answered;
+      for (auto& kv : kv_->get_prefix(answers)) answered.push_back(std::move(kv.key));
+      std::sort(answered.begin(), answered.end());
+      out.unconfirmed.clear();
+      for (const auto& m : members)
+        if (!std::binary_search(answered.begin(), answered.end(), answers + m.sort_key()))
+          out.unconfirmed.push_back(m.node_name);
+      const auto left = std::chrono::ceil<Millis>(deadline - Clock::now());
+      if (out.unconfirmed.empty() || left <= Millis(0)) return out;
+      // answers the others' probes too, and sees a loss the store reports meanwhile
+      out.change = wait_for_change(std::min(left, Millis(100)));
+      if (out.change != Change::None && out.change != Change::MemberWaiting) {
+        out.unconfirmed.clear();
+        return out;
+      }
+      out.change = Change::None;
+    }
+  } catch (const StoreError& e) {
+    if (e.kind() != StoreErrorKind::ConnectionLost || !connector_) throw;
+    spdlog::warn("[rdzv] {}", e.what());
+    store_lost_ = true;
+    out.change = Change::StoreLost;
+    out.unconfirmed.clear();
+    return out;
+  }
 }
 
 void Rendezvous::request_new_round() { advance_generation(round_.generation); }

@@ -3,11 +3,14 @@
 # tests/launcher/test_ddp_slurm.sh under `srun elastrun --nproc-per-node=2`.
 # Usage: ddp_worker.py OUT_DIR [STEPS]
 #   writes OUT_DIR/ddp.rank<RANK>.json: world size, first/last global loss, parameter digest
-# Test knob: DDP_TEST_FAIL_ONCE=FILE -> rank 3 raises once (creates FILE) after the first step.
+# Test knobs: DDP_TEST_FAIL_ONCE=FILE -> rank 3 raises once (creates FILE) after the first step;
+# DDP_TEST_STEP_SLEEP=SECONDS -> each step lasts that much longer (time to kill a node mid-run);
+# rank 0 writes OUT_DIR/trained.w<WORLD_SIZE> after the first step of each attempt.
 import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,9 @@ def main():
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         losses.append(global_loss.item() / world)
+        if step == 0 and rank == 0:
+            open(os.path.join(out_dir, f"trained.w{world}"), "w").close()
+        time.sleep(float(os.environ.get("DDP_TEST_STEP_SLEEP", "0")))
         marker = os.environ.get("DDP_TEST_FAIL_ONCE")
         if marker and rank == 3 and step == 0 and not os.path.exists(marker):
             open(marker, "w").close()

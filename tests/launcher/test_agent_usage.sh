@@ -21,7 +21,7 @@ check "--nnodes" --nnodes=x "$worker"
 check "--nproc-per-node" --nproc-per-node=0 "$worker"
 check "--rdzv-backend" --rdzv-backend=zookeeper "$worker"
 check "--standalone" --standalone --rdzv-endpoint=h:1 "$worker"
-check "--rdzv-conf" --rdzv-conf=frobnicate=1 "$worker"
+check "--rdzv-conf" --rdzv-conf=join_timeout "$worker"
 check "no program" --standalone
 check "not found" --standalone /nonexistent/prog
 check "script '/nonexistent/train.py' not found" --standalone /nonexistent/train.py

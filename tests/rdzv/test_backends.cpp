@@ -3,6 +3,7 @@
 // protocol relies on, then the membership protocol itself.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <future>
 #include <memory>
 #include <thread>
@@ -249,6 +250,49 @@ TEST_P(Backend, LeavingMemberIsLostAndSurvivorsReform) {
   auto rb = b->next_round();
   EXPECT_EQ(rb.group_world_size, 2);
   EXPECT_EQ(fa2.get().members().size(), 2u);
+}
+
+TEST_P(Backend, ReformAfterALossFormsWithoutTheLastCall) {
+  // a 20 s last call: the survivors must not wait for it, every live agent has joined
+  auto a = member("a", 0, 1, 2, 3, 20s);
+  auto b = member("b", 1, 1, 2, 3, 20s);
+  auto c = member("c", 2, 1, 2, 3, 20s);
+  auto fa = std::async(std::launch::async, [&] { return a->next_round(); });
+  auto fb = std::async(std::launch::async, [&] { return b->next_round(); });
+  c->next_round();  // MAX joined: formed at once
+  fa.get();
+  fb.get();
+  c.reset();
+  EXPECT_EQ(a->wait_for_change(30s), Change::MemberLost);
+  EXPECT_EQ(b->wait_for_change(30s), Change::MemberLost);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto fa2 = std::async(std::launch::async, [&] { return a->next_round(); });
+  auto rb = b->next_round();
+  EXPECT_EQ(fa2.get().group_world_size, 2);
+  EXPECT_EQ(rb.group_world_size, 2);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 10s) << "the re-form waited for the last call";
+}
+
+TEST_P(Backend, ConfirmMembersHearsEveryWatchingAgentAndNamesASilentOne) {
+  auto a = member("a", 0, 1, 3, 3);
+  auto b = member("b", 1, 1, 3, 3);
+  auto c = member("c", 2, 1, 3, 3);
+  auto fa = std::async(std::launch::async, [&] { return a->next_round(); });
+  auto fb = std::async(std::launch::async, [&] { return b->next_round(); });
+  c->next_round();
+  fa.get();
+  fb.get();
+  // b watches for changes (as an agent in MONITOR does) and so answers; c is alive (its lease
+  // is renewed by its heartbeat thread) but its main loop never looks: unconfirmed
+  std::atomic<bool> stop{false};
+  auto watcher = std::async(std::launch::async, [&] {
+    while (!stop) b->wait_for_change(100ms);
+  });
+  const auto confirmation = a->confirm_members(1500ms);
+  stop = true;
+  watcher.get();
+  EXPECT_EQ(confirmation.change, Change::None);
+  EXPECT_EQ(confirmation.unconfirmed, std::vector<std::string>{"c"});
 }
 
 TEST_P(Backend, RestartRequestCloseAndJobWideCounter) {

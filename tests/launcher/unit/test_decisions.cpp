@@ -41,6 +41,17 @@ TEST(FailedDecision, MembershipChangesAreNotRestarts) {
   }
 }
 
+TEST(FailedDecision, AMemberThatDoesNotConfirmItIsAliveIsALossNotARestart) {
+  // etcd: the peer node's death broke our collectives long before its lease ends
+  FailedObservation seen;
+  seen.settle_change = Change::None;
+  seen.unconfirmed = {"n3"};
+  seen.max_restarts = 0;
+  EXPECT_EQ(next_failed_action(seen), FailedAction::ReformUncounted);
+  seen.settle_change = Change::Closed;
+  EXPECT_EQ(next_failed_action(seen), FailedAction::ExitClosed) << "a close still wins";
+}
+
 TEST(FailedDecision, ClosedMeansExit) { EXPECT_EQ(run_failed(Change::Closed, 1, 1, 5), FailedAction::ExitClosed); }
 
 TEST(FailedDecision, FirstClaimerCountsAndRestartsWithinBudget) {

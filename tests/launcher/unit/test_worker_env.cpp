@@ -356,5 +356,34 @@ TEST(Failures, SummaryNamesTheEarliestAsRootCause) {
       std::any_of(one.begin(), one.end(), [](const std::string& l) { return l.starts_with("other failures"); }));
 }
 
+TEST(Failures, ALostNodeBeforeTheFailuresItCausedIsTheRootCauseAndListedOnce) {
+  const auto at = [](int ms) { return std::chrono::system_clock::time_point(std::chrono::milliseconds(ms)); };
+  Failure collateral;  // a survivor's worker: "Connection reset by peer"
+  collateral.when = at(1000);
+  collateral.node = "n2";
+  collateral.rank = 1;
+  collateral.exit_code = 1;
+  Failure lost, lost_again;  // every survivor records the loss just before its own failures
+  lost.when = at(999);
+  lost.node = lost_again.node = "n3";
+  lost.rank = lost_again.rank = -1;
+  lost.lost = lost_again.lost = "its agent did not answer within 3000 ms of worker failures on n2";
+  lost_again.when = at(1200);
+  const auto back = Failure::from_json(lost.to_json().dump());
+  ASSERT_TRUE(back);
+  EXPECT_EQ(back->lost, lost.lost);
+  EXPECT_EQ(lost.one_line(), "node n3 lost: its agent did not answer within 3000 ms of worker failures on n2");
+  const auto lines = summary_lines("job9", {collateral, lost_again, lost}, /*job_wide=*/true, 0);
+  const auto count = [&](const std::string& text) {
+    return std::count_if(lines.begin(), lines.end(),
+                         [&](const std::string& l) { return l.find(text) != std::string::npos; });
+  };
+  EXPECT_EQ(count("  node       : n3"), 1);
+  EXPECT_EQ(count("  lost       : its agent did not answer"), 1);
+  EXPECT_EQ(count("rank       :"), 0) << "a lost node has no rank";
+  EXPECT_EQ(count("node n3 lost"), 0) << "the same loss recorded by another survivor is not listed again";
+  EXPECT_EQ(count("rank 1 (local rank 0, node n2) exited with code 1"), 1);
+}
+
 }  // namespace
 }  // namespace elastrun::launcher

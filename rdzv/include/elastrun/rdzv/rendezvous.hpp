@@ -143,6 +143,19 @@ class Rendezvous {
   // While a round runs: blocks until something calls for a new round, or `timeout`.
   Change wait_for_change(Millis timeout);
 
+  // After a local worker failure, before it is counted against the restart budget: is every
+  // other member of the round alive? A worker dies of a broken collective ("Connection reset by
+  // peer") within ~0.1 s of a peer node's death, long before a store that learns of deaths by
+  // lease expiry (etcd: whole seconds) reports the loss. So this asks every member's agent to
+  // answer (one probe key per round that wait_for_change watches and answers; the answers lie
+  // outside the watched prefix, so N answers do not wake N agents each) and waits up to
+  // `timeout` (the heartbeat timeout: by then a dead member's lease has ended too).
+  struct Confirmation {
+    Change change = Change::None;          // a change seen meanwhile (MemberLost, Reform, ...)
+    std::vector<std::string> unconfirmed;  // members (node names) that did not answer in time
+  };
+  Confirmation confirm_members(Millis timeout);
+
   // Starts a new round (after a worker failure); everyone's wait_for_change returns Reform.
   void request_new_round();
   // Ends the rendezvous for everyone (job finished or failed for good).
@@ -168,6 +181,10 @@ class Rendezvous {
   std::optional<RoundResult> finish_round(std::uint64_t gen, std::string roster, std::uint64_t revision);
   void wait_as_late_joiner(std::uint64_t gen);
   void heartbeat_loop();
+  std::string answers_prefix(std::uint64_t gen) const;  // confirm_members' answers of round gen
+  void answer_probe(std::uint64_t gen);
+  // A re-form need not wait for the last call when every live agent of the job has joined.
+  bool every_live_agent_joined(std::uint64_t gen);
   void fail_over();
   bool component_has_room(int component) const;  // for a waiting member (component_bounds)
 
@@ -180,6 +197,7 @@ class Rendezvous {
   std::uint64_t lease_ = 0;
   std::atomic<bool> fenced_{false};
   std::atomic<bool> store_lost_{false};
+  bool failed_over_ = false;  // moved to a standby store since the last round formed
   StoreConnector connector_;
   std::atomic<bool> stop_{false};
   std::mutex heartbeat_mutex_;  // the heartbeat connection is shared with re-leasing

@@ -118,7 +118,8 @@ namespace event {
 inline constexpr std::string_view kState = "state";  // agent: the agent entered a state
 inline constexpr std::string_view kRound = "round";  // agent: a rendezvous round formed
 inline constexpr std::string_view kMemberLost =
-    "member_lost";  // agent: a member of the round stopped renewing its lease
+    "member_lost";  // agent: a member of the round stopped renewing its lease, or did not answer after a worker failure
+                    // (how: unconfirmed)
 inline constexpr std::string_view kStoreLost =
     "store_lost";  // agent: the rendezvous store went away (failover follows)
 inline constexpr std::string_view kWorkersStarted = "workers_started";    // agent: this node's workers were started
