@@ -10,6 +10,10 @@
 #               file; the intruder's join and token guess are refused; the job ends with WORLD_SIZE 4
 #   no_munge    auto across hosts with munged unreachable and no token: one error line naming
 #               ELASTRUN_RDZV_TOKEN, exit 2; --rdzv-auth=none works but warns
+#   memory      the agent's memory checkpoints (--memory-checkpoints): the intruder's requests to the
+#               node endpoint (an abstract socket, which has no file permissions) are refused by the
+#               peer's uid and carry no descriptor back; the segments' memfds under /proc of the
+#               agent and of its workers cannot be opened; nothing of them is in /dev/shm
 # Usage: test_security.sh CASE path/to/elastrun path/to/rdzv_member path/to/launcher_test_worker
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
@@ -136,6 +140,43 @@ no_munge)
     fail "--rdzv-auth=none standalone failed"
   grep -q "warning: --rdzv-auth=none: anyone who can reach" "$work/b.err" || fail "no warning for --rdzv-auth=none"
   echo "ok: auto without munge across hosts is a clear error; none warns"
+  ;;
+memory)
+  root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+  on_exit "kill_recorded_pids $(printf '%q' "$work/out/pids") memory_worker"
+  shm_before=$(ls /dev/shm | sort)
+  PYTHONPATH=$root/python MEMORY_WORKER_MODE=hold "$elastrun" --standalone --nproc-per-node 2 \
+    --memory-checkpoints=128M /usr/bin/python3 "$root/tests/launcher/memory_worker.py" >"$work/a.out" 2>"$work/a.err" &
+  agent=$!
+  track_pid "$agent"
+  wait_for -a "$agent" "the agent exited early" 30 have_files 2 "$work/out/held.*" || fail "no snapshot held"
+  address=$(sed -n 's/.*node endpoint @\([^ ]*\).*/\1/p' "$work/a.err" | head -1)
+  [[ -n $address ]] || fail "no node endpoint address in the agent's log"
+  for op in mem_list mem_get status; do
+    reply=$(as_intruder /usr/bin/python3 -c '
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\0" + sys.argv[1])
+try:
+    s.sendall((json.dumps({"v": 1, "op": sys.argv[2], "rank": 0, "step": 424242}) + "\n").encode())
+except (BrokenPipeError, ConnectionResetError):
+    pass  # refused at once: the refusal is already in our receive buffer
+msg, fds, _, _ = socket.recv_fds(s, 65536, 4)
+print(len(fds), msg.decode().strip())' "$address" "$op") || fail "the intruder's $op request failed to run: $(tail -3 "$work/intruder.err")"
+    [[ $reply == '0 {"error":"refused: the node endpoint answers its own user only","ok":false,"v":1}' ]] ||
+      fail "the intruder's $op got: $reply"
+  done
+  echo "refused as expected: $reply"
+  segments=$(find /proc/[0-9]*/fd -lname "/memfd:elastrun-mem-424242-*" 2>/dev/null)
+  [[ -n $segments ]] || fail "no process holds the segments"
+  for fd in $segments; do
+    as_intruder head -c 16 "$fd" >/dev/null && fail "the intruder read the segment $fd"
+  done
+  as_intruder ls "/proc/$agent/fd" >/dev/null && fail "the intruder listed the agent's descriptors"
+  echo "ok: $(wc -w <<<"$segments") segment descriptor(s) unreadable by the intruder"
+  [[ $(ls /dev/shm | sort) == "$shm_before" ]] || fail "/dev/shm changed: $(ls /dev/shm)"
+  kill -TERM "$agent"
+  await "$agent" || true
   ;;
 *) fail "unknown case" ;;
 esac
