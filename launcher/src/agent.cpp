@@ -29,8 +29,6 @@ static_assert(elastrun::control::kCheckpointedExitCode == 85, "WorkerExit::check
 
 namespace {
 
-// After a local worker failure: how long to look for a membership change that explains it.
-constexpr Millis kFailureSettle{300};
 // How long an agent that lost the restart claim waits for the claimer's decision.
 constexpr Millis kClaimerPatience{10'000};
 
@@ -273,24 +271,23 @@ Transition Agent::monitor() {
 }
 
 // FAILED: a local worker failed. next_failed_action() decides, from what the agent observes
-// (a membership change during a short settle window, the round's restart claim, the job-wide
+// (a membership change seen while the members confirm they are alive, the round's restart claim, the job-wide
 // restart count), whether this is a restart, a re-form, or the end. The other local workers
 // keep running until then.
 Transition Agent::failed(states::Failed entered) {
   for (const auto& e : entered.failures) record(e);
   log_state("FAILED", failures_.last().one_line());
   FailedObservation seen;
-  seen.settle_change = wait_for_change(kFailureSettle);
   seen.max_restarts = o_.max_restarts;
-  if (seen.settle_change == Change::None || seen.settle_change == Change::MemberWaiting) {
-    // Before counting: did a peer node die? (Its workers' death breaks ours within ~0.1 s; an
-    // etcd lease tells of it seconds later.)
-    auto confirmation = rdzv_->confirm_members(o_.heartbeat_timeout);
-    if (confirmation.change != Change::None) seen.settle_change = note_change(confirmation.change);
-    seen.unconfirmed = std::move(confirmation.unconfirmed);
-    for (const auto& node : seen.unconfirmed)
-      events().emit(contract::event::kMemberLost, {{"member", node}, {"how", "unconfirmed"}});
-  }
+  // Before counting: did a peer node die? (Its workers' death breaks ours within ~0.1 s; an etcd
+  // lease tells of it seconds later.) Every member answers within about one of its
+  // --monitor-interval; a loss or another agent's new round seen meanwhile ends the wait too. This
+  // replaces a fixed settle window (0.3 s until #28): it waits for what it needs to know, no longer.
+  auto confirmation = rdzv_->confirm_members(o_.heartbeat_timeout);
+  seen.settle_change = note_change(confirmation.change);
+  seen.unconfirmed = std::move(confirmation.unconfirmed);
+  for (const auto& node : seen.unconfirmed)
+    events().emit(contract::event::kMemberLost, {{"member", node}, {"how", "unconfirmed"}});
   collect_exits();  // the other local workers may have failed meanwhile
   auto action = next_failed_action(seen);
   for (; action == FailedAction::ClaimRestart || action == FailedAction::CountRestart;
@@ -586,7 +583,7 @@ void Agent::record_losses(const FailedObservation& seen, const std::vector<Worke
 }
 
 // Every wait for a membership change goes through here, so that each member lost is in the
-// event log whichever state noticed it (MONITOR, FAILED's settle window, the scale-up checkpoint).
+// event log whichever state noticed it (MONITOR, FAILED's confirmation, the scale-up checkpoint).
 Change Agent::wait_for_change(Millis timeout) { return note_change(rdzv_->wait_for_change(timeout)); }
 
 Change Agent::note_change(Change change) {

@@ -25,7 +25,7 @@ enum class FailedAction {
 std::string_view to_string(FailedAction action);
 
 struct FailedObservation {
-  // What happened during the settle window after the local failure.
+  // A membership change seen after the local failure, while the members confirmed they are alive.
   rdzv::Change settle_change = rdzv::Change::None;
   // Members of the round whose agents did not confirm they are alive after the failure
   // (Rendezvous::confirm_members): lost, though the store may not say so yet.
