@@ -751,6 +751,22 @@ class Trainer {
 
   std::uint64_t restore() {
     if (auto step = restore_from_memory()) return *step;
+    const auto step = restore_from_file();
+    // Snapshots in the agents' memory newer than where training resumes belong to an abandoned
+    // history: dropped before the first step (every rank's restore precedes the first step's
+    // all-reduce, so no rank's new snapshot can be dropped by a slower rank's request).
+    if (memory_) {
+      try {
+        if (const auto dropped = memory_->forget_after(step))
+          log("dropped {} memory snapshot segment(s) of steps after {} (an abandoned history)", dropped, step);
+      } catch (const std::exception& e) {
+        log("warning: dropping memory snapshots after step {}: {}", step, e.what());
+      }
+    }
+    return step;
+  }
+
+  std::uint64_t restore_from_file() {
     if (args_.ckpt_dir.empty()) return 0;
     elastrun::ckpt::torch_adapter::RestoreTargets targets;
     torch::NoGradGuard no_grad;

@@ -56,6 +56,15 @@ util::UniqueFd MemorySegments::allocate(std::uint64_t step, int rank, std::uint6
   return copy;
 }
 
+std::size_t MemorySegments::forget_after(std::uint64_t after_step) {
+  std::lock_guard lock(mutex_);
+  std::vector<Key> dropped;
+  for (const auto& [k, s] : segments_)
+    if (k.step > after_step) dropped.push_back(k);
+  for (const auto& k : dropped) drop_locked(k);
+  return dropped.size();
+}
+
 void MemorySegments::commit(std::uint64_t step, int rank, std::uint64_t checksum) {
   std::lock_guard lock(mutex_);
   const auto it = segments_.find(Key{rank, step});

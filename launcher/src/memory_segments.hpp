@@ -54,6 +54,11 @@ class MemorySegments {
   // The committed segment of (step, rank), or the rank's newest committed one without a step.
   std::optional<Found> find(int rank, std::optional<std::uint64_t> step = std::nullopt) const;
 
+  // Drops every segment (committed or not, any rank) of a step after `after_step`: a restore went
+  // back to that step, so newer ones belong to an abandoned history (and, being the newest,
+  // retention would keep them and drop the new history's snapshots). Returns how many.
+  std::size_t forget_after(std::uint64_t after_step);
+
   std::uint64_t budget() const { return budget_; }
   std::uint64_t used() const;
   nlohmann::json list() const;  // {"budget","used","segments":[{"step","rank","bytes","committed"}]}

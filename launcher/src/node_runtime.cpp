@@ -84,8 +84,11 @@ worker::NodeReply NodeRuntime::answer(const nlohmann::json& request) {
     return {{{"step", found->step}, {"bytes", found->bytes}, {"checksum", found->checksum}}, std::move(found->fd)};
   }
   if (name == op::kMemList) return memory_or_refuse().list();
-  throw std::invalid_argument(fmt::format("unknown op '{}' (this agent knows: {}, {}, {}, {}, {})", name, op::kStatus,
-                                          op::kMemAlloc, op::kMemCommit, op::kMemGet, op::kMemList));
+  if (name == op::kMemForget)
+    return {{{"dropped", memory_or_refuse().forget_after(field<std::uint64_t>(request, "after_step"))}}};
+  throw std::invalid_argument(fmt::format("unknown op '{}' (this agent knows: {}, {}, {}, {}, {}, {})", name,
+                                          op::kStatus, op::kMemAlloc, op::kMemCommit, op::kMemGet, op::kMemList,
+                                          op::kMemForget));
 }
 
 nlohmann::json NodeRuntime::status_reply() const {

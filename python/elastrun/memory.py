@@ -72,3 +72,8 @@ class MemoryTier:
     def list(self) -> dict:
         """The agent's budget, bytes in use and segments."""
         return self._ask(_contract.NODE_OP_MEM_LIST)[0]
+
+    def forget_after(self, step: int) -> int:
+        """After a restore to `step` (from files, or a fresh start: 0): the agent drops every
+        snapshot of a later step (an abandoned history). Returns how many segments it dropped."""
+        return int(self._ask(_contract.NODE_OP_MEM_FORGET, after_step=step)[0].get("dropped", 0))

@@ -45,6 +45,16 @@ got = tier.get(rank)
 if got is None:
     sys.exit(f"[rank {rank}] no snapshot in the agent's memory after the restart")
 step, data, checksum = got
-with open(f"{out}/restored.{rank}.json", "w") as f:
-    json.dump({"step": step, "intact": data == payload(step) and checksum == zlib.crc32(data),
-               "older": tier.get(rank, step=2) is not None, "list": tier.list()}, f)
+result = {"step": step, "intact": data == payload(step) and checksum == zlib.crc32(data),
+          "older": tier.get(rank, step=2) is not None, "list": tier.list()}
+with open(f"{out}/restored.{rank}.json.tmp", "w") as f:
+    json.dump(result, f)
+if rank == 0:
+    # once both ranks have read theirs: "training resumes at step 2" drops step 3 of both ranks
+    while not os.path.exists(f"{out}/restored.1.json"):
+        time.sleep(0.05)
+    result["forgot_after_2"] = tier.forget_after(2)
+    result["steps_left"] = sorted({s["step"] for s in tier.list()["segments"]})
+    with open(f"{out}/restored.0.json.tmp", "w") as f:
+        json.dump(result, f)
+os.rename(f"{out}/restored.{rank}.json.tmp", f"{out}/restored.{rank}.json")

@@ -34,6 +34,8 @@ for r in 0 1; do
   [[ $(json "$f" 'd["older"]') == True ]] || fail "rank $r: step 2 not kept beside step 3"
 done
 [[ $(json "$work/out/restored.0.json" 'len(d["list"]["segments"])') == 4 ]] || fail "not 2 steps x 2 ranks kept"
+[[ $(json "$work/out/restored.0.json" 'd["forgot_after_2"], d["steps_left"]') == "(2, [2])" ]] ||
+  fail "mem_forget after step 2 did not drop exactly step 3 of both ranks: $(cat "$work/out/restored.0.json")"
 echo "ok: a crashed group restored its newest snapshots from the agent's memory"
 CASE
 

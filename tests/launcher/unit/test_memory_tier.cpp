@@ -124,6 +124,24 @@ TEST(MemoryTier, WorkerClientThroughTheNodeEndpoint) {
   }
 }
 
+// A restore to step 3 (from files) while the agent holds 4 and 5 of an abandoned history: left
+// there, they would be "the two newest" and retention would drop every new snapshot (3 < 5).
+TEST(MemoryTier, ForgetAfterARestoreDropsTheAbandonedHistorySoNewSnapshotsAreKept) {
+  NodeRuntime runtime(std::chrono::milliseconds(100));
+  runtime.enable_memory_checkpoints(1 << 20);
+  runtime.serve_endpoint({.node = "n1", .run_id = "test", .job_dir = ""});
+  worker::MemoryTier tier(runtime.endpoint_address());
+  const auto put = [&](std::uint64_t step, int rank) { tier.commit(tier.allocate(step, rank, 4096), step); };
+  for (int rank : {0, 1}) put(4, rank), put(5, rank);
+  tier.allocate(6, 0, 4096);  // an unfinished one of the old history too
+  EXPECT_EQ(tier.forget_after(3), 5u);
+  EXPECT_EQ(tier.list()["segments"].size(), 0u) << tier.list().dump();
+  put(4, 0);  // the new history's step 4
+  ASSERT_TRUE(tier.newest(0));
+  EXPECT_EQ(tier.newest(0)->step(), 4u) << "the new snapshot was dropped by retention";
+  EXPECT_EQ(tier.forget_after(4), 0u);
+}
+
 TEST(MemoryTier, RefusedWhenOff) {
   NodeRuntime runtime(std::chrono::milliseconds(100));
   runtime.serve_endpoint({.node = "n1", .run_id = "test", .job_dir = ""});

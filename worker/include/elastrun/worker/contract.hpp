@@ -155,6 +155,9 @@ inline constexpr std::string_view kMemGet = "mem_get";  // the newest (or the gi
                                                         // bytes, checksum, and its descriptor (sealed, read-only)
 inline constexpr std::string_view kMemList =
     "mem_list";  // the budget, the bytes in use and every segment (step, rank, bytes, committed)
+inline constexpr std::string_view kMemForget =
+    "mem_forget";  // drops every segment of a step after `after_step` (a restore went back to it: newer snapshots are
+                   // of an abandoned history and would crowd out the new ones); reply: dropped
 }  // namespace node_op
 
 }  // namespace elastrun::contract

@@ -104,6 +104,12 @@ class MemoryTier {
                reply.body.value("checksum", std::uint64_t{0}), PROT_READ);
   }
 
+  // After a restore to `step` (from the file tier, or a fresh start: 0): the agent drops every
+  // snapshot of a later step (an abandoned history). Returns how many segments it dropped.
+  std::size_t forget_after(std::uint64_t step) {
+    return ask({{"op", contract::node_op::kMemForget}, {"after_step", step}}).body.value("dropped", std::size_t{0});
+  }
+
   // mem_list's reply: budget, used, segments.
   nlohmann::json list() { return ask({{"op", contract::node_op::kMemList}}).body; }
 
