@@ -125,6 +125,14 @@ void Agent::bootstrap() {
     spdlog::info("memory checkpoints: up to {:.1f} MiB of segments held by this agent (--memory-checkpoints)",
                  static_cast<double>(*o_.memory_checkpoints) / (1 << 20));
   }
+  if (!o_.preload.empty()) {
+    if (command_argv_.size() >= 2 && command_argv_[1] == "-u") {
+      runtime_.enable_preload({.python = command_path_, .modules = o_.preload});
+      runtime_.process_backend().prepare();  // its imports run while we wait in the rendezvous
+    } else {
+      spdlog::info("note: --preload={} applies to Python workers only; {} is started as is", o_.preload, o_.program);
+    }
+  }
   // the node's endpoint, for the whole job: after the usage errors (one line each), before any
   // wait for the store; @elastrun-node-<pid>-<node>, nothing on disk, our workers get its address
   runtime_.serve_endpoint({.node = plan_.me.node_name, .run_id = plan_.run_id, .job_dir = job_dir_});

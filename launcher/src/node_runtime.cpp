@@ -119,7 +119,8 @@ ProcessBackend& NodeRuntime::process_backend() {
           "killed",
           pid, WIFSIGNALED(status) ? "signal" : "exit", WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
     });
-    backend_ = make_exec_backend(reaper_, &*watchdog_);
+    backend_ =
+        preload_ ? make_preload_backend(reaper_, &*watchdog_, *preload_) : make_exec_backend(reaper_, &*watchdog_);
     update_status([this](Status& s) { s.process_backend = backend_->name(); });
   }
   return *backend_;

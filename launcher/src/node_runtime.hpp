@@ -76,6 +76,9 @@ class NodeRuntime {
   MemorySegments* memory() { return memory_.get(); }
 
   // ---- processes ----
+  // --preload: Python workers of `config.python` are forked by a preloader (before the first
+  // process_backend() call).
+  void enable_preload(PreloadConfig config) { preload_ = std::move(config); }
   Reaper& reaper() { return reaper_; }
   // The backend that starts workers; forks the watchdog on first use (before the first workers).
   ProcessBackend& process_backend();
@@ -90,6 +93,7 @@ class NodeRuntime {
   Reaper reaper_;
   EventLog events_;
   std::optional<Watchdog> watchdog_;
+  std::optional<PreloadConfig> preload_;
   std::unique_ptr<ProcessBackend> backend_;
   std::unique_ptr<MemorySegments> memory_;  // before the endpoint that serves it
   Identity identity_;

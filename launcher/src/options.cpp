@@ -483,6 +483,9 @@ void declare_flags(CLI::App& app, RawFlags& raw, AgentOptions& o) {
   app.add_flag("--memory-checkpoints{auto},--memory_checkpoints{auto}", raw.memory_checkpoints,
                "[=BYTES] keep the workers' memory checkpoints in this agent's memory (K/M/G suffixes; without a "
                "value: a quarter of the node's RAM); workers get ELASTRUN_MEMORY_CHECKPOINTS");
+  app.add_option("--preload", o.preload,
+                 "MODULES: Python workers are forked by one preloader per node that imported MODULES "
+                 "(comma-separated, e.g. torch) once: restarts and re-forms skip the import");
   app.add_option("--requeue-budget,--requeue_budget", raw.requeue_budget,
                  "Slurm requeues allowed per class, CLASS:N|inf,... (default app:0,node:3,timelimit:inf,preempt:inf)");
 }

@@ -91,6 +91,8 @@ struct AgentOptions {
   Millis hang_timeout{0};  // --hang-timeout: 0 = off
   // --memory-checkpoints[=BYTES]: the node's budget for the memory checkpoint tier (none = off)
   std::optional<std::uint64_t> memory_checkpoints;
+  // --preload=MODULES: Python workers forked by a per-node preloader that imported them ("" = off)
+  std::string preload;
   std::string outcome_file;  // --outcome-file / $ELASTRUN_OUTCOME_FILE: group rank 0 writes how the job ended
   std::string events;        // --events: the event log (default with --log-dir: <log-dir>/events-<node>.jsonl)
   StreamSpec redirects;

@@ -1,9 +1,9 @@
 // How a node's worker processes come to be: the process backend behind the WorkerGroup. The
 // group relays output, classifies and stops; the backend starts a process from a WorkerSpec and
-// reports its exit. Today: ExecBackend (fork + execve by the agent, reaped by its Reaper). Next:
-// a preloader backend (a long-lived per-node process that has imported the training code and
-// forks workers on request, attached to the node endpoint) -- its workers are its children, so
-// their exits reach the agent from it, not from waitpid; hence collect() rather than a pid wait.
+// reports its exit: ExecBackend (fork + execve by the agent, reaped by its Reaper), or the
+// preload backend (a long-lived per-node process that has imported the training code and forks
+// workers on request) -- its workers are its children, so their exits reach the agent from it,
+// not from waitpid; hence collect() rather than a pid wait.
 #pragma once
 
 #include <sys/types.h>
@@ -44,11 +44,21 @@ class ProcessBackend {
   virtual void release(pid_t pid) = 0;
   // After a group of workers stopped: ends what they left behind (adopted orphans).
   virtual void end_leftovers() = 0;
+  // Early work before the first start (the preloader's imports while the rendezvous runs).
+  virtual void prepare() {}
 };
 
 // fork + execve from the agent: each worker in its own process group, PR_SET_PDEATHSIG(SIGKILL),
 // default signal dispositions, an empty mask, --numa-binding's CPUs, stdout/stderr into pipes;
 // exits reaped by `reaper`; each group registered with `watchdog` (may be null).
 std::unique_ptr<ProcessBackend> make_exec_backend(Reaper& reaper, Watchdog* watchdog);
+
+// --preload=MODULES: `python -u ...` workers of `python` are forked by a per-node preloader
+// that imported MODULES once (preload_backend.cpp); every other start goes to the exec backend.
+struct PreloadConfig {
+  std::string python;   // the resolved interpreter the workers run
+  std::string modules;  // comma-separated, as given to --preload
+};
+std::unique_ptr<ProcessBackend> make_preload_backend(Reaper& reaper, Watchdog* watchdog, PreloadConfig config);
 
 }  // namespace elastrun::launcher

@@ -191,6 +191,12 @@ TEST(Options, EveryTorchrunRdzvConfKeyIsAcceptedAndMappedWhereItMeansSomething) 
   EXPECT_EQ(parse({"--rdzv-conf=\"heartbeat_timeout=2\"", "p"}).heartbeat_timeout, Millis(2000));
 }
 
+TEST(Options, Preload) {
+  EXPECT_EQ(parse({"p"}).preload, "");
+  EXPECT_EQ(parse({"--preload=torch,numpy", "p"}).preload, "torch,numpy");
+  EXPECT_EQ(parse({"p"}, {{"preload", "torch"}}).preload, "torch") << "PET_PRELOAD";
+}
+
 TEST(Options, UnknownRdzvConfKeysAreKeptForAWarningNotRefused) {
   auto o = parse({"--rdzv-conf=bogus=1,join_timeout=7,other_backend_key=x", "p"});
   EXPECT_EQ(o.join_timeout, Millis(7000));

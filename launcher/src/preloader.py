@@ -1,0 +1,193 @@
+# The preloader (elastrun --preload=MODULES; docs/launcher.md, "Preloaded workers"): one per node,
+# started by the agent with the interpreter and flags its Python workers get, it imports MODULES
+# once and then forks every worker of the job on the agent's request, so that a restart or a
+# re-form does not pay `import torch` again. Embedded in the agent (preloader_source.hpp) and run
+# with `python -u -c`, so it needs nothing installed beside the agent.
+#
+# Protocol on fd 3, a SOCK_SEQPACKET socket to the agent (one JSON object per message):
+#   preloader -> agent  {"ready": true, "seconds": S}          after the imports
+#                       {"fatal": "one line"}                  it cannot serve (then exits 2)
+#                       {"started": PID} / {"error": "..."}    the answer to a start
+#                       {"exit": PID, "status": WAIT_STATUS}   a worker ended (raw wait status)
+#   agent -> preloader  {"start": {"argv": [...], "env": ["K=V", ...], "cpus": [...]}} with the
+#                       worker's stdout and stderr as two descriptors (SCM_RIGHTS)
+# The preloader ends when the agent closes the socket, or with the agent (PDEATHSIG).
+import ctypes
+import importlib
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+_TORCH_FIXED_SEED = 67280421310721  # c10's default_rng_seed_val
+_libc = ctypes.CDLL(None, use_errno=True)
+_control = socket.socket(fileno=3)
+
+
+def _send(message):
+    _control.send(json.dumps(message).encode())
+
+
+def _exit_code(code):
+    # what the interpreter does with SystemExit's code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _run_worker(order, stdout_fd, stderr_fd):
+    """In the forked child: become the worker `python -u ARGV...` would have been, run it, exit."""
+    os.setpgid(0, 0)
+    parent = os.getppid()
+    if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
+        os._exit(126)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.dup2(stdout_fd, 1)
+    os.dup2(stderr_fd, 2)
+    os.close(stdout_fd)
+    os.close(stderr_fd)
+    _control.close()
+    os.environ.clear()
+    for entry in order["env"]:
+        key, _, value = entry.partition("=")
+        os.environ[key] = value
+    if order.get("cpus"):
+        try:
+            os.sched_setaffinity(0, order["cpus"])
+        except OSError:
+            pass  # a cpuset that excludes them: the affinity stays as it was (as the exec backend)
+    # What a fresh interpreter would have read at start-up, and a fork copies instead:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        # torch's default generator: upstream builds start every interpreter from one fixed seed,
+        # others (Debian's) from a random one; a fork would give every worker the same stream
+        if torch.initial_seed() == _TORCH_FIXED_SEED:
+            torch.manual_seed(_TORCH_FIXED_SEED)
+        else:
+            torch.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()  # numpy's global RNG from fresh entropy, as in a fresh interpreter
+    args = order["argv"]  # after "python -u": SCRIPT ARGS... or -m MODULE ARGS...
+    code = 0
+    try:
+        import runpy
+
+        if args[0] == "-m":
+            sys.argv = [args[1]] + args[2:]  # runpy sets argv[0] to the module's file
+            sys.path[0] = os.getcwd()
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            sys.path[0] = os.path.dirname(os.path.realpath(args[0]))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit as e:
+        code = _exit_code(e.code)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        import threading
+
+        threading._shutdown()  # non-daemon threads are waited for, as at interpreter exit
+    except Exception:
+        pass
+    try:
+        import atexit
+
+        atexit._run_exitfuncs()
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def _reap():
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send({"exit": pid, "status": status})
+
+
+def main():
+    if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        _send({"fatal": "prctl(PR_SET_PDEATHSIG) failed"})
+        sys.exit(2)
+    started = time.monotonic()
+    modules = [m for m in sys.argv[1].split(",") if m]
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except BaseException as e:
+            _send({"fatal": f"--preload: importing {name} failed: {type(e).__name__}: {e}"})
+            sys.exit(2)
+    # fork() with threads is undefined behaviour (only the forking thread survives in the child)
+    threads = len(os.listdir("/proc/self/task"))
+    if threads > 1:
+        _send({"fatal": f"--preload={sys.argv[1]}: the imports started {threads - 1} thread(s); a process with "
+                        "threads cannot fork workers safely (an OpenBLAS built with pthreads: set "
+                        "OPENBLAS_NUM_THREADS=1)"})
+        sys.exit(2)
+    _send({"ready": True, "seconds": round(time.monotonic() - started, 3)})
+    wakeup_read, wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wakeup_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(_control, selectors.EVENT_READ)
+    selector.register(wakeup_read, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj == wakeup_read:
+                try:
+                    os.read(wakeup_read, 4096)
+                except BlockingIOError:
+                    pass
+                _reap()
+                continue
+            try:
+                data, fds, _, _ = socket.recv_fds(_control, 1 << 20, 2)
+            except InterruptedError:
+                continue
+            if not data:
+                return  # the agent closed the socket: done (its workers were stopped first)
+            order = json.loads(data)["start"]
+            if len(fds) != 2:
+                for fd in fds:
+                    os.close(fd)
+                _send({"error": "a start order needs the worker's stdout and stderr descriptors"})
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _run_worker(order, fds[0], fds[1])
+            try:
+                os.setpgid(pid, pid)  # also here: the agent may signal the group before the child runs
+            except OSError:
+                pass
+            for fd in fds:
+                os.close(fd)
+            _send({"started": pid})
+            _reap()
+
+
+main()
