@@ -225,7 +225,8 @@ Transition Agent::start_workers() {
                 {{"attempt", attempt_},
                  {"restart_count", restart_count_},
                  {"ranks", {rdzv_->current().rank_offset, rdzv_->current().rank_offset + o_.nproc_per_node - 1}},
-                 {"pids", group_->pids()}});
+                 {"pids", group_->pids()},
+                 {"started_by", group_->started_by()}});
   ++attempt_;
   return states::Monitor{};
 }

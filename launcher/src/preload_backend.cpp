@@ -103,6 +103,7 @@ class PreloadBackend final : public ProcessBackend {
       started.pid = pid;
       started.stdout_read = std::move(out_r);
       started.stderr_read = std::move(err_r);
+      started.started_by = name();
       return started;
     }
   }

@@ -24,7 +24,8 @@ class Watchdog;
 struct StartedProcess {
   pid_t pid = -1;  // leads a process group of its own (pgid == pid)
   util::UniqueFd stdout_read, stderr_read;
-  std::string exec_error;  // the program could not be executed (it then exits 127)
+  std::string exec_error;                // the program could not be executed (it then exits 127)
+  std::string_view started_by = "exec";  // "exec", or "preload" (forked by the preloader)
 };
 
 class ProcessBackend {

@@ -134,6 +134,7 @@ struct WorkerGroup::Impl {
     pid_t pid = -1;
     bool exited = false;
     std::string exec_error;
+    std::string_view started_by;
   };
   explicit Impl(ProcessBackend& b) : backend(b) {}
   ProcessBackend& backend;
@@ -276,6 +277,7 @@ void WorkerGroup::Impl::start(Worker& w) {
   auto started = backend.start(w.spec, [this, &w](pid_t, int status) { note_exit(w, status); });
   w.pid = started.pid;
   w.exec_error = std::move(started.exec_error);
+  w.started_by = started.started_by;
 
   auto open_log = [](const std::string& path) {
     if (path.empty()) return UniqueFd();
@@ -335,6 +337,12 @@ bool WorkerGroup::all_exited() const {
 std::vector<pid_t> WorkerGroup::pids() const {
   std::vector<pid_t> out;
   for (const auto& w : impl_->workers) out.push_back(w.pid);
+  return out;
+}
+
+std::vector<std::string> WorkerGroup::started_by() const {
+  std::vector<std::string> out;
+  for (const auto& w : impl_->workers) out.emplace_back(w.started_by);
   return out;
 }
 

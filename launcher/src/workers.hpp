@@ -79,6 +79,8 @@ class WorkerGroup {
   std::vector<WorkerExit> poll_exits();
   bool all_exited() const;
   std::vector<pid_t> pids() const;
+  // How each worker came to be, in rank order: "exec" or "preload" (ProcessBackend).
+  std::vector<std::string> started_by() const;
 
   // `sig` to each live worker's process group (--forward-signals).
   void signal_all(int sig);

@@ -40,20 +40,26 @@
 # With --shared-fs the private testbed has a GlusterFS volume every node mounts itself, and the
 # job's checkpoints go there (labels sharedfs: faults.node_loss_sharedfs, faults.time_limit_sharedfs,
 # faults.kill_during_save_sharedfs).
-# Usage: test_faults.sh SCENARIO [--shared-fs] [--python]   Environment: ELASTRUN_BIN (build/bin), SBATCH_DIR (sbatch/),
+# With --preload (Python trainer only) the agents run with --preload=torch: every worker start,
+# restart and re-form is a fork of the node's preloader, and point 5 also asserts that every
+# workers_started event says started_by "preload" for each worker.
+# Usage: test_faults.sh SCENARIO [--shared-fs] [--python [--preload]]   Environment: ELASTRUN_BIN (build/bin), SBATCH_DIR (sbatch/),
 # and the shared testbed's (ELASTRUN_TESTBED_ENV; a private testbed is used).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
-scenario=${1:?usage: test_faults.sh SCENARIO [--shared-fs] [--python]}
-shared_fs= python=
+usage="usage: test_faults.sh SCENARIO [--shared-fs] [--python [--preload]]"
+scenario=${1:?$usage}
+shared_fs= python= preload=
 for option in "${@:2}"; do
   case $option in
   --shared-fs) shared_fs=--shared-fs ;;
   --python) python=--python ;;
-  *) fail "unknown option '$option' (usage: test_faults.sh SCENARIO [--shared-fs] [--python])" ;;
+  --preload) preload=--preload=torch ;;
+  *) fail "unknown option '$option' ($usage)" ;;
   esac
 done
-FAIL_TAG=$scenario${shared_fs:+ on the shared filesystem}${python:+ with the Python trainer}
+[[ -z $preload || -n $python ]] || fail "--preload needs --python ($usage)"
+FAIL_TAG=$scenario${shared_fs:+ on the shared filesystem}${python:+ with the Python trainer}${preload:+ (--preload=torch)}
 bin=${ELASTRUN_BIN:?ELASTRUN_BIN: the bin directory of the build}
 job_scripts=${SBATCH_DIR:?SBATCH_DIR: the sbatch/ directory of the repository}
 # the trainer the job runs, and the same trainer as one process (the failure-free reference)
@@ -136,7 +142,7 @@ check_promise() {
     fail "2: the final model differs from the failure-free run: $(tail -3 "$out/diff.txt")"
   # 3. and 5.
   events_json >"$out/events.json"
-  /usr/bin/python3 - "$out/events.json" "$expect" <<'PY' || fail "3/5: the event logs do not show what should have happened (above)"
+  /usr/bin/python3 - "$out/events.json" "$expect" "$preload" <<'PY' || fail "3/5: the event logs do not show what should have happened (above)"
 import json, sys
 events = json.load(open(sys.argv[1]))
 saved = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("rank") == 0]
@@ -151,6 +157,10 @@ worlds = [w for _, w in worlds]
 kinds = [e["event"] for e in events]
 try:
     exec(sys.argv[2])
+    if sys.argv[3]:  # --preload: every worker of every start was forked by the preloader
+        starts = [e for e in events if e["event"] == "workers_started"]
+        how = sorted({h for e in starts for h in e.get("started_by", ["(none)"])})
+        assert starts and how == ["preload"], f"workers not started by the preloader: started_by {how}"
 except AssertionError as err:
     print(f"5: {err}; rounds' world sizes {worlds}; committed steps {saved}", file=sys.stderr)
     sys.exit(1)
@@ -175,7 +185,7 @@ PY
 nodes=4
 [[ $scenario == @(worker_crash|time_limit|kill_during_save) ]] && nodes=2
 # shellcheck disable=SC2086 # $shared_fs: no option or one
-private_testbed_up $shared_fs "$nodes" "faults-$scenario${shared_fs:+-sfs}${python:+-py}"
+private_testbed_up $shared_fs "$nodes" "faults-$scenario${shared_fs:+-sfs}${python:+-py}${preload:+-pre}"
 # the job's checkpoints: the local disk every emulated node shares, or with --shared-fs the
 # GlusterFS volume every node mounts itself (the test reads them through the login node's mount)
 ckpt=$out/ckpt
@@ -188,7 +198,7 @@ fi
 "${reference_trainer[@]}" "${train_args[@]}" --ckpt-dir "$out/reference" >"$out/reference.log" 2>&1 ||
   fail "the reference run failed: $(tail -5 "$out/reference.log")"
 
-agent_args=(--log-dir "$out/logs" --checkpoint-dir "$ckpt")
+agent_args=(--log-dir "$out/logs" --checkpoint-dir "$ckpt" ${preload:+"$preload"})
 case $scenario in
 worker_crash)
   submit 2 elastic.sbatch -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 100 --fail-at-step 17:1
@@ -237,7 +247,7 @@ assert '$victim' not in members[-1] and len(members[-1]) == 3, f'the last round 
 assert not any(e['event'] == 'failure_decision' and e['action'] == 'restart' for e in events), 'a node loss counted as a restart'"
   ;;
 time_limit)
-  submit 2 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" "${trainer[@]}" "${train_args[@]}" --step-ms 100
+  submit 2 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" ${preload:+"$preload"} "${trainer[@]}" "${train_args[@]}" --step-ms 100
   wait_past_step 12
   scancel --signal=USR1 "$job"
   requeued=$job
@@ -261,7 +271,7 @@ decisions = [e["action"] for e in events if e["event"] == "failure_decision"]
 assert decisions.count("restart") == 1, f"expected one counted restart after the re-form, got {decisions}"'
   ;;
 first_node)
-  submit 2-4 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" "${trainer[@]}" "${train_args[@]}" --step-ms 150
+  submit 2-4 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" ${preload:+"$preload"} "${trainer[@]}" "${train_args[@]}" --step-ms 150
   wait_past_step 12
   [[ $(scontrol show job "$job" | grep -o ' BatchHost=[^ ]*') == " BatchHost=n1" ]] || fail "the batch script does not run on n1"
   "$TB" kill-node n1
@@ -278,7 +288,7 @@ assert len(ended) == 1 and ended[0]["ok"] and ended[0]["exit_code"] == 0 and end
   if grep -q "srun: forcing job termination" "$out/job.out"; then fail "srun on the killed n1 ran again (testbed kill-node)"; fi
   ;;
 resize_requeue)
-  submit 2-4 requeue.sbatch CKPT="$ckpt" NPROC=1 -- --log-dir "$out/logs" "${trainer[@]}" "${train_args[@]}" --step-ms 150
+  submit 2-4 requeue.sbatch CKPT="$ckpt" NPROC=1 -- --log-dir "$out/logs" ${preload:+"$preload"} "${trainer[@]}" "${train_args[@]}" --step-ms 150
   wait_past_step 8
   "$TB" kill-node n3
   world3() {

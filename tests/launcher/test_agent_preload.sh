@@ -71,6 +71,33 @@ kill -0 "$pre" 2>/dev/null && fail "the preloader outlived the job"
 echo "ok: preloaded workers match fresh ones"
 CASE
 
+test_expect_success 'module: -m preload_worker runs as under python -m (argv[0], sys.path[0], environment)' <<'CASE'
+for kind in plain preload; do
+  flags=()
+  [[ $kind == preload ]] && flags=(--preload=torch)
+  (cd "$here/preload" && PYTHONDONTWRITEBYTECODE=1 PRELOAD_TEST_RUN=m$kind "$elastrun" --standalone --nproc-per-node 2 \
+    "${flags[@]}" -m preload_worker a b >"$work/m$kind.log" 2>&1) || fail "-m, $kind: exit $?: $(tail -5 "$work/m$kind.log")"
+done
+pre=$(preloader_pid "$work/mpreload.log")
+[[ -n $pre ]] || fail "no preloader line: $(cat "$work/mpreload.log")"
+/usr/bin/python3 - "$work/out" "$script" "$pre" <<'PY' || fail "-m under --preload differs from python -m"
+import glob, json, os, sys
+out, script, pre = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def load(run):
+    return {json.load(open(f))["env"]["RANK"]: json.load(open(f)) for f in glob.glob(f"{out}/preload.{run}.rank*.json")}
+plain, preload = load("mplain"), load("mpreload")
+assert sorted(plain) == sorted(preload) == ["0", "1"], (plain.keys(), preload.keys())
+for rank in ("0", "1"):
+    a, b = plain[rank], preload[rank]
+    assert a["env"] == b["env"], (a["env"], b["env"])
+    assert a["argv"] == b["argv"] and a["argv"][1:] == ["a", "b"], (a["argv"], b["argv"])
+    assert os.path.realpath(b["argv"][0]) == os.path.realpath(script), b["argv"]
+    assert os.path.realpath(a["path0"]) == os.path.realpath(b["path0"]) == os.path.dirname(os.path.realpath(script)), (a["path0"], b["path0"])
+    assert b["ppid"] == pre, f"rank {rank}: parent {b['ppid']}, not the preloader {pre}"
+print("ok: -m: the same argv, sys.path[0] and environment, forked by the preloader")
+PY
+CASE
+
 test_expect_success 'restart: rank 1 exits 3 once: both restart through the same preloader, RESTART_COUNT=1' <<'CASE'
 PRELOAD_TEST_MODE=crash_once run crash --preload=torch --max-restarts 1 || fail "exit $?: $(tail -5 "$work/crash.log")"
 pre=$(preloader_pid "$work/crash.log")
