@@ -3,13 +3,17 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <system_error>
+#include <vector>
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -21,7 +25,6 @@ namespace elastrun::launcher {
 
 using worker::node_json_line;
 using worker::node_socket_address;
-using worker::receive_node_line;
 using worker::send_node_line;
 
 std::string default_node_address(int pid, const std::string& node) {
@@ -51,34 +54,104 @@ NodeEndpoint::~NodeEndpoint() {
   if (!address_.starts_with('@')) ::unlink(address_.c_str());
 }
 
-void NodeEndpoint::serve() {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Every open connection is read as its bytes come (one poll over the listener and all of them),
+// so a client that connects and says nothing delays no other: it is dropped after
+// kRequestPatience. Requests are still answered one at a time, on this thread, in arrival order.
+constexpr auto kRequestPatience = std::chrono::seconds(2);
+constexpr std::size_t kMaxOpenConnections = 64;  // more wait in the listen backlog
+// A reply is small, but a client that never reads must not block the endpoint.
+constexpr timeval kReplyPatience{2, 0};
+
+struct OpenConnection {
+  util::UniqueFd socket;
+  std::string received;
+  Clock::time_point deadline;
+};
+
+void reply_on(int connection, nlohmann::json j, int fd = -1) {
+  j["v"] = contract::kNodeProtocolVersion;
+  // blocking, with a send timeout: the reply (and its descriptor) goes out whole or not at all
+  const int flags = ::fcntl(connection, F_GETFL);
+  if (flags >= 0) (void)::fcntl(connection, F_SETFL, flags & ~O_NONBLOCK);
+  (void)::setsockopt(connection, SOL_SOCKET, SO_SNDTIMEO, &kReplyPatience, sizeof kReplyPatience);
+  (void)send_node_line(connection, node_json_line(j), fd);
+}
+
+bool peer_is_our_user(int connection) {
+  ucred peer{};
+  socklen_t size = sizeof peer;
+  return ::getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &size) == 0 &&
+         (peer.uid == ::getuid() || peer.uid == 0);
+}
+
+// Reads what `c` has; true when it is done with (answered, closed, or over-long).
+template <class Answer>
+bool read_request(OpenConnection& c, Answer&& answer) {
+  char buf[4096];
   while (true) {
-    pollfd fds[2] = {{listener_.get(), POLLIN, 0}, {wake_read_.get(), POLLIN, 0}};
-    const int ready = ::poll(fds, 2, -1);
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready < 0 || (fds[1].revents != 0)) return;  // stopping
-    util::UniqueFd connection(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!connection) continue;  // the peer went away first, or EAGAIN
-    answer(connection.get());
+    // a descriptor sent with a request is dropped by the kernel (no control buffer): requests carry none
+    const ssize_t n = ::recv(c.socket.get(), buf, sizeof buf, MSG_DONTWAIT);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno != EAGAIN && errno != EWOULDBLOCK;
+    if (n == 0) return true;  // closed before a whole line
+    c.received.append(buf, static_cast<std::size_t>(n));
+    if (const auto nl = c.received.find('\n'); nl != std::string::npos) {
+      c.received.resize(nl);
+      answer(c.socket.get(), c.received);
+      return true;
+    }
+    if (c.received.size() > worker::kNodeMaxLine) return true;
   }
 }
 
-void NodeEndpoint::answer(int connection) {
-  const auto reply = [&](nlohmann::json j, int fd = -1) {
-    j["v"] = contract::kNodeProtocolVersion;
-    (void)send_node_line(connection, node_json_line(j), fd);
-  };
-  ucred peer{};
-  socklen_t size = sizeof peer;
-  if (::getsockopt(connection, SOL_SOCKET, SO_PEERCRED, &peer, &size) != 0 ||
-      (peer.uid != ::getuid() && peer.uid != 0)) {
-    reply({{"ok", false}, {"error", "refused: the node endpoint answers its own user only"}});
-    return;
+}  // namespace
+
+void NodeEndpoint::serve() {
+  std::vector<OpenConnection> open;
+  std::vector<pollfd> fds;
+  while (true) {
+    fds.clear();
+    fds.push_back({wake_read_.get(), POLLIN, 0});
+    fds.push_back({listener_.get(), static_cast<short>(open.size() < kMaxOpenConnections ? POLLIN : 0), 0});
+    auto earliest = Clock::time_point::max();
+    for (const auto& c : open) {
+      fds.push_back({c.socket.get(), POLLIN, 0});
+      earliest = std::min(earliest, c.deadline);
+    }
+    const int timeout_ms = open.empty()
+                               ? -1
+                               : static_cast<int>(std::max<std::int64_t>(
+                                     0, std::chrono::ceil<std::chrono::milliseconds>(earliest - Clock::now()).count()));
+    const int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready < 0 || fds[0].revents != 0) return;  // stopping
+    const auto after = Clock::now();
+    std::vector<OpenConnection> still_open;
+    for (std::size_t i = 0; i < open.size(); ++i) {
+      const bool done = fds[i + 2].revents != 0
+                            ? read_request(open[i], [this](int fd, const std::string& line) { answer(fd, line); })
+                            : after >= open[i].deadline;  // said nothing in time: dropped
+      if (!done) still_open.push_back(std::move(open[i]));
+    }
+    open = std::move(still_open);
+    while (fds[1].revents != 0 && open.size() < kMaxOpenConnections) {
+      util::UniqueFd connection(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!connection) break;  // EAGAIN: no more waiting, or the peer went away first
+      if (!peer_is_our_user(connection.get())) {
+        reply_on(connection.get(), {{"ok", false}, {"error", "refused: the node endpoint answers its own user only"}});
+        continue;
+      }
+      open.push_back({std::move(connection), {}, after + kRequestPatience});
+    }
   }
-  std::string line;
-  util::UniqueFd ignored;  // a request carries no descriptor
-  if (!receive_node_line(connection, line, &ignored, std::chrono::steady_clock::now() + std::chrono::seconds(2)))
-    return;
+}
+
+void NodeEndpoint::answer(int connection, const std::string& line) {
+  const auto reply = [&](nlohmann::json j, int fd = -1) { reply_on(connection, std::move(j), fd); };
   const auto request = nlohmann::json::parse(line, nullptr, false);
   if (!request.is_object() || !request.contains("op")) {
     reply({{"ok", false}, {"error", R"(not a request: send one JSON object per line, e.g. {"v":1,"op":"status"})"}});

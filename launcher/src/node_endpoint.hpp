@@ -4,7 +4,8 @@
 // tier attach here next.
 //
 // Protocol (version contract::kNodeProtocolVersion, docs/launcher.md "The node endpoint"): one
-// request per connection, one JSON object per line each way:
+// request per connection, one JSON object per line each way (connections are read concurrently; a
+// client silent for 2 s is dropped; requests are answered one at a time, on the endpoint's thread):
 //   -> {"v":1,"op":"status"}
 //   <- {"v":1,"ok":true, ...what the op returns}   or   {"v":1,"ok":false,"error":"..."}
 // A reply may carry one file descriptor (SCM_RIGHTS: a memory checkpoint segment). The ops are the
@@ -44,7 +45,7 @@ class NodeEndpoint {
 
  private:
   void serve();
-  void answer(int connection);
+  void answer(int connection, const std::string& line);
 
   std::string address_;
   Handler handler_;

@@ -14,6 +14,7 @@
 #include <regex>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -47,6 +48,37 @@ TEST(NodeEndpoint, AnswersRequestsWithTheProtocolVersion) {
   EXPECT_NE(newer["error"].get<std::string>().find("newer"), std::string::npos);
   const auto no_op = query_node(endpoint.address(), {{"v", 1}});
   EXPECT_EQ(no_op["ok"], false);
+}
+
+// Connections are read concurrently: clients that connect and say nothing (each kept 2 s before
+// being dropped) do not hold up a rank's request. Served one at a time, 5 silent clients delayed
+// it 10 s; the bound is generous for 2 noisy cores. A half-sent request is answered once its line
+// is complete, after the others.
+TEST(NodeEndpoint, SilentClientsDelayNoOne) {
+  NodeEndpoint endpoint(unique_address(), [](const json& request) { return json{{"op", request.at("op")}}; });
+  const auto [sa, length] = worker::node_socket_address(endpoint.address());
+  std::vector<util::UniqueFd> silent;
+  for (int i = 0; i < 5; ++i) {
+    silent.emplace_back(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    ASSERT_EQ(::connect(silent.back().get(), reinterpret_cast<const sockaddr*>(&sa), length), 0);
+  }
+  const std::string half = R"({"v":1,"op":"half")";
+  ASSERT_EQ(::send(silent[0].get(), half.data(), half.size(), MSG_NOSIGNAL), static_cast<ssize_t>(half.size()));
+  const auto asked = std::chrono::steady_clock::now();
+  const auto reply = query_node(endpoint.address(), {{"v", 1}, {"op", "status"}}, std::chrono::seconds(20));
+  EXPECT_EQ(reply["op"], "status");
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, std::chrono::seconds(5)) << "held up by silent clients";
+  // the half-sent request completes and is answered
+  ASSERT_EQ(::send(silent[0].get(), "}\n", 2, MSG_NOSIGNAL), 2);
+  std::string line;
+  ASSERT_TRUE(worker::receive_node_line(silent[0].get(), line, nullptr,
+                                        std::chrono::steady_clock::now() + std::chrono::seconds(20)));
+  EXPECT_EQ(json::parse(line)["op"], "half");
+  // a silent one is dropped (EOF), and the endpoint still answers
+  line.clear();
+  ASSERT_FALSE(worker::receive_node_line(silent[1].get(), line, nullptr,
+                                         std::chrono::steady_clock::now() + std::chrono::seconds(20)));
+  EXPECT_EQ(query_node(endpoint.address(), {{"v", 1}, {"op", "again"}})["op"], "again");
 }
 
 TEST(NodeEndpoint, AbstractAddressIsGoneWithIt) {
