@@ -312,7 +312,7 @@ WorkerGroup::WorkerGroup(std::vector<WorkerSpec> specs, ProcessBackend& backend)
   impl_->wake_read = UniqueFd(wake[0]);
   impl_->wake_write = UniqueFd(wake[1]);
   impl_->workers.reserve(specs.size());
-  for (auto& s : specs) impl_->workers.push_back({std::move(s), -1, false, {}});
+  for (auto& s : specs) impl_->workers.push_back({std::move(s), -1, false, {}, {}});
   try {
     for (auto& w : impl_->workers) impl_->start(w);
   } catch (...) {
