@@ -16,7 +16,8 @@ Prints figures and ratios against issue #5's goals; never asserts. Run with Debi
   (e) the agent's own CPU seconds (utime + stime) and peak RSS over a run of --cpu-seconds with two
       idle workers (`--only e`).
 With --json FILE every run's raw numbers go there (bench/run.py); (b) also measures, with torch
-workers, worker exit -> every replacement's first all-reduce done.
+workers, worker exit -> every replacement's first all-reduce done, and that again for elastrun
+with --preload=torch (the replacements forked by a preloader that imported torch once).
 Both launchers run with their default settings (torchrun: --monitor_interval 5 s, c10d
 rendezvous; Debian's torchrun 1.13 under Python 3.11 needs `--redirects 9:0 --tee 9:0`, and takes
 only the underscore spellings of its flags, which elastrun also accepts).
@@ -62,6 +63,9 @@ def worker(mode, out):
     dist.all_reduce(t)
     done = time.time()
     put(os.path.join(out, f"allreduce.{tag}.{rank}.{world}.{restart}"), done)
+    if mode == "train":
+        train(out, tag, rank, world, restart)
+        return
     if mode == "steps":  # all-reduce every 50 ms until OUT/stop appears (or a peer is lost: exit 1)
         deadline = time.time() + 600
         while time.time() < deadline and not os.path.exists(os.path.join(out, "stop")):
@@ -84,6 +88,48 @@ def worker(mode, out):
         while time.time() < deadline:
             dist.all_reduce(t)
             time.sleep(0.05)
+    dist.destroy_process_group()
+
+
+def train(out, tag, rank, world, restart):
+    """A training loop whose state lives in the agents' memory tier (elastrun --memory-checkpoints):
+    a step is an all-reduce of a 1 MiB model (every rank holds the same, as under DDP) and a snapshot
+    of it into the node's agent; a (re)started worker first resumes from the newest step every node
+    holds (ranks renumber in a re-form: any local rank's snapshot will do) and stamps its first step
+    done: step.TAG.RANK.WORLD.RESTART. Until OUT/stop appears."""
+    import torch
+    import torch.distributed as dist
+    from elastrun.memory import MemoryTier
+
+    tier = MemoryTier()
+    model = torch.zeros(1 << 18)  # 1 MiB of float32
+    held = {}
+    if tier.enabled:
+        for s in tier.list().get("segments", []):
+            if s["committed"]:
+                held.setdefault(s["step"], s["rank"])
+    step = torch.tensor([max(held, default=-1)], dtype=torch.int64)
+    dist.all_reduce(step, op=dist.ReduceOp.MIN)  # the newest step every rank's node holds
+    step = int(step.item())
+    if step >= 0:
+        got = tier.get(held[step], step) if step in held else None
+        if got is None:
+            raise SystemExit(f"[rank {rank}] step {step} is not in this node's memory tier")
+        model = torch.frombuffer(bytearray(got[1]), dtype=torch.float32)
+    else:
+        step = 0
+    first = True
+    deadline = time.time() + 600
+    while time.time() < deadline and not os.path.exists(os.path.join(out, "stop")):
+        dist.all_reduce(model)
+        model /= world
+        step += 1
+        if tier.enabled:
+            tier.put(step, rank, model.numpy().tobytes())
+        if first:
+            put(os.path.join(out, f"step.{tag}.{rank}.{world}.{restart}"), time.time())
+            first = False
+        time.sleep(0.05)
     dist.destroy_process_group()
 
 
@@ -256,9 +302,10 @@ exit 0
             return None
 
     # (b') with torch workers: worker exit -> every replacement's first all-reduce done
-    def crash_allreduce(self, which):
-        out = self.fresh(f"b2-{which}")
-        rc, _, _ = self.run(which, ["--standalone", "--nproc_per_node", "2", "--max_restarts", "1", self.me,
+    def crash_allreduce(self, which, preload=False):
+        out = self.fresh(f"b2-{which}{'-preload' if preload else ''}")
+        rc, _, _ = self.run(which, ["--standalone", "--nproc_per_node", "2", "--max_restarts", "1",
+                                    *(["--preload=torch"] if preload else []), self.me,
                                     "--worker", "crashonce", out], 180, out)
         again = [read_ts(p) for p in files(out, "allreduce.") if p.endswith(".1")]
         try:
@@ -400,8 +447,14 @@ def main():
                 for w in both:
                     record(w, "b", safe(b.crash_restart, w))
                     record(w, "b_allreduce", safe(b.crash_allreduce, w))
+                    if w == "elastrun":  # torchrun has no preloader
+                        record(w, "b_allreduce_preload", safe(b.crash_allreduce, w, True))
             for w in both:
-                res[w]["b"] = median(raw[w]["b"])
+                for key in ("b", "b_allreduce", "b_allreduce_preload"):
+                    if key in raw[w]:
+                        res[w][key] = median(raw[w][key])
+            if "b_allreduce_preload" in res["elastrun"] and "torchrun" in res:
+                res["torchrun"]["b_allreduce_preload"] = res["torchrun"].get("b_allreduce")
         if "e" in args.only:
             for _ in range(args.reps if args.cpu_seconds >= 60 else 1):
                 for w in both:
@@ -448,6 +501,8 @@ def main():
         ("    launch -> worker process started", "a_start", ">= 5x"),
         ("    agent only: whole run of 2 x /bin/true", "a0", ">= 5x"),
         ("(b) worker crash -> replacement started", "b", ">= 10x"),
+        ("    crash -> replacements' first all-reduce", "b_allreduce", ">= 10x"),
+        ("    the same, elastrun --preload=torch", "b_allreduce_preload", "<= 0.6 s"),
         ("(c) node loss (kill -9 agent+workers) -> re-formed", "c", "report"),
     ]
     for label, key, goal in rows:

@@ -327,6 +327,19 @@ def launcher_figures(figs, raw, nprocs, why=None):
     figs.add("launcher.crash_allreduce", "launcher", "worker exit -> every replacement's first all-reduce done",
              "s", "lower", e.get("b_allreduce", []), "torchrun 1.13", t.get("b_allreduce", []), (">=", 10.0, ">= 10x"),
              "2 torch workers, rank 0 exits 1 after its first all-reduce; includes the replacements' `import torch`")
+    preloaded = e.get("b_allreduce_preload", [])
+    if preloaded:
+        note = ("elastrun --preload=torch: the replacements are forks of a preloader that imported torch once; "
+                "the same workers and crash as above")
+        figs.add("launcher.crash_allreduce_preload", "launcher",
+                 "worker exit -> every replacement's first all-reduce done, elastrun --preload=torch", "s", "lower",
+                 preloaded, "torchrun 1.13", t.get("b_allreduce", []), None, note)
+        figs.add("launcher.crash_allreduce_preload_vs_plain", "launcher",
+                 "the same, --preload=torch vs elastrun without it (same run)", "s", "lower", preloaded,
+                 "elastrun without --preload", e.get("b_allreduce", []), None, "what the preloader saves: `import torch`")
+        figs.add("launcher.crash_allreduce_preload_vs_goal", "launcher",
+                 "(goal) worker exit -> every replacement's first all-reduce done, --preload=torch", "s", "lower",
+                 preloaded, "goal: 0.6 s", [0.6] * len(preloaded), (">=", 1.0, "<= 0.6 s"), note)
     figs.add("launcher.crash_restart", "launcher", "worker exit -> replacement process started", "s", "lower",
              e.get("b", []), "torchrun 1.13", t.get("b", []), (">=", 10.0, ">= 10x"), "shell workers: the launcher's share")
     c_e, c_t = e.get("c"), t.get("c")
@@ -406,6 +419,33 @@ def testbed_figures(figs, raw, why=None):
             figs.add(f"testbed.{scenario}_vs_goal", "testbed", title.replace("testbed:", "testbed (goal):"), "s", "lower",
                      ours, "goal: heartbeat timeout (3 s) + 1 s", [hb + 1.0] * len(ours), (">=", 1.0, goal[2]),
                      "elastrun detects a dead node by its closed connections, usually well before the heartbeat")
+    warm = e.get("node_loss_warm", [])
+    if not warm:
+        return
+    warm_note = ("elastrun --preload=torch --memory-checkpoints: the replacements are forks of each node's preloader "
+                 "and resume from the survivors' memory (a 1 MiB model snapshotted every step)")
+    if errors("node_loss_warm"):
+        warm_note += "; " + errors("node_loss_warm")
+    first_step = values(e, "node_loss_warm", "first_step_s")
+    figs.add("testbed.node_loss_warm_first_step", "testbed", "testbed: kill-node n3 -> every survivor's first training "
+             "step at world 6, --preload=torch + memory tier", "s", "lower", first_step,
+             "elastrun without them: first all-reduce", values(e, "node_loss", "recovered_s"), None, warm_note)
+    figs.add("testbed.node_loss_warm_vs_goal", "testbed", "testbed (goal): kill-node n3 -> every survivor's first "
+             "training step at world 6, --preload=torch + memory tier", "s", "lower", first_step, "goal: 1.5 s",
+             [1.5] * len(first_step), (">=", 1.0, "<= 1.5 s"), warm_note)
+    figs.add("testbed.node_loss_warm_allreduce", "testbed", "testbed: kill-node n3 -> every survivor's first all-reduce "
+             "at world 6, --preload=torch", "s", "lower", values(e, "node_loss_warm", "recovered_s"), "torchrun 1.13",
+             [r.get("recovered_s", r.get("not_recovered_within_s")) for r in t.get("node_loss", [])], None,
+             warm_note + "; torchrun's figure is its node_loss run's (a lower bound where it did not recover)")
+    runs = e.get("node_loss", []) + warm
+    shares = [r.get("agent_share_s") for r in runs]
+    figs.add("testbed.reform_agent_share", "testbed", "testbed: the agent's share of a re-form (each survivor: "
+             "member_lost -> workers_started at world 6, the largest)", "s", "lower", shares, "goal: 0.2 s",
+             [0.2] * len(shares), (">=", 1.0, "<= 0.2 s"), "from the agents' event logs of every kill-node n3 run above")
+    detected = [r.get("detected_s") for r in runs]
+    figs.add("testbed.node_loss_detected", "testbed", "testbed: kill-node n3 -> the first survivor's member_lost",
+             "s", "lower", detected, "heartbeat timeout (3 s)", [3.0] * len(detected), None,
+             "detection: the rest of the time to the first step is the re-form, the workers' start and their work")
 
 
 def rdzv_figures(figs, raw, why=None):

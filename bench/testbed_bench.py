@@ -10,8 +10,16 @@ srun, one launcher per node), alternated, on a private testbed of its own. Never
   store_loss  `testbed kill-node` of the node hosting the rendezvous store (elastrun: n1, the
               step's first node; torchrun: whichever agent bound the c10d store) -> survivors'
               first all-reduce at world 6; torchrun's job dies: its srun's exit code is reported.
+  node_loss_warm  elastrun only (torchrun has neither), run beside node_loss: the same kill of n3
+              with `--preload=torch --memory-checkpoints=64M` and workers that train from the agents'
+              memory (launcher_bench.py's `train`: a 1 MiB model snapshotted every step) -> every
+              survivor's replacement started, first all-reduce, and first training step at world 6
+              (resumed from the survivors' memory).
+  For every elastrun loss run, from the agents' event logs: kill -> the first survivor's member_lost
+  (detection), and the agent's share of the re-form: on each survivor, its member_lost -> its
+  workers_started at world 6 (the largest).
 Usage: /usr/bin/python3 bench/testbed_bench.py --elastrun build/bin/elastrun --json OUT [--reps N]
-       [--bound S] [--only launch,node_loss,store_loss]
+       [--bound S] [--only launch,node_loss,node_loss_warm,store_loss]
 Environment: TESTBED_ID for the private testbed (default bench-tb).
 """
 import argparse
@@ -73,28 +81,63 @@ class Testbed:
         self.call("down")
 
 
+def reform_share(out, killed, victim):
+    """From the agents' event logs (the job directory): kill -> the first survivor's member_lost, and
+    the largest of each survivor's member_lost -> its workers_started after the kill."""
+    first_lost, shares = None, []
+    for path in glob.glob(os.path.join(out, "job-*", "events-*.jsonl")):
+        lost = started = None
+        with open(path, errors="replace") as f:
+            for line in f:
+                try:
+                    e = json.loads(line)
+                except ValueError:
+                    continue
+                if e.get("node") == victim or e.get("time", 0) < killed:
+                    continue
+                if e.get("event") == "member_lost" and lost is None:
+                    lost = e["time"]
+                elif e.get("event") == "workers_started" and lost is not None and started is None:
+                    started = e["time"]
+        if lost is not None:
+            first_lost = lost if first_lost is None else min(first_lost, lost)
+            if started is not None:
+                shares.append(started - lost)
+    result = {}
+    if first_lost is not None:
+        result["detected_s"] = first_lost - killed
+    if shares:
+        result["agent_share_s"] = max(shares)
+    return result
+
+
 class Bench:
     def __init__(self, args, tb):
         self.args, self.tb = args, tb
         self.work = args.work
 
-    def argv(self, which, mode, out, nnodes, port):
+    def argv(self, which, mode, out, nnodes, port, warm=False):
         srun = ["srun", "--no-kill", "-N4", "--ntasks-per-node=1", "--job-name", f"bench-{which}"]
         if which == "elastrun":
-            return srun + [self.args.elastrun, f"--nnodes={nnodes}", "--nproc-per-node=2", WORKER, "--worker", mode, out]
+            extra = ["--preload=torch", "--memory-checkpoints=64M"] if warm else []
+            return srun + [self.args.elastrun, f"--nnodes={nnodes}", "--nproc-per-node=2", *extra, WORKER, "--worker",
+                           mode, out]
         return srun + [PY, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc_per_node", "2",
                        "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"bench{port}",
                        "--max_restarts", "3", "--redirects", "9:0", "--tee", "9:0", WORKER, "--worker", mode, out]
 
-    def start(self, which, mode, name, nnodes):
+    def start(self, which, mode, name, nnodes, warm=False):
         out = os.path.join(self.work, f"{name}-{which}-{time.time_ns()}")
         os.makedirs(out)
         # the agents' job directory (on by default under Slurm) goes with this run's files, not the cwd
         env = dict(self.tb.env, BENCH_TAG="x", ELASTRUN_PYTHON=PY, ELASTRUN_JOB_DIR=os.path.join(out, "job-%j"),
                    ELASTRUN_INDEX_DIR=os.path.join(self.work, "index"))
+        if warm:  # the workers' elastrun.memory: the build's package
+            package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(self.args.elastrun))), "python")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (package, env.get("PYTHONPATH")) if p)
         log = open(os.path.join(out, "srun.log"), "wb")
         t0 = time.time()
-        proc = subprocess.Popen(self.argv(which, mode, out, nnodes, free_port()), env=env, stdout=log,
+        proc = subprocess.Popen(self.argv(which, mode, out, nnodes, free_port(), warm), env=env, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         return out, proc, t0, log
 
@@ -152,13 +195,14 @@ class Bench:
         return None
 
     def loss(self, which, scenario):
-        out, proc, t0, log = self.start(which, "steps", scenario, "2:4")
+        warm = scenario == "node_loss_warm"
+        out, proc, t0, log = self.start(which, "train" if warm else "steps", scenario, "2:4", warm)
         result = {}
         try:
             if not self.wait_for(out, "allreduce.x.*.8.*", 8, proc, 180):
                 return {"error": f"no round of 8 workers (srun {'running' if proc.poll() is None else 'exited'})"}
             time.sleep(1.0)
-            victim = "n3" if scenario == "node_loss" else self.store_node(which, out)
+            victim = "n3" if scenario.startswith("node_loss") else self.store_node(which, out)
             if not victim:
                 return {"error": "could not tell which node hosts the store"}
             result["victim"] = victim
@@ -172,6 +216,12 @@ class Bench:
             got = self.wait_for(out, "allreduce.x.*.6.*", 6, proc, max(1.0, killed + self.args.bound - time.time()))
             if got:
                 result["recovered_s"] = max(v for _, v in got) - killed
+                if warm:
+                    stepped = self.wait_for(out, "step.x.*.6.*", 6, proc, 30)
+                    if stepped:
+                        result["first_step_s"] = max(v for _, v in stepped) - killed
+                if which == "elastrun":
+                    result.update(reform_share(out, killed, victim))
             else:
                 result["not_recovered_within_s"] = self.args.bound
                 if proc.poll() is not None:
@@ -193,7 +243,7 @@ def main():
     p.add_argument("--json", required=True)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--bound", type=float, default=90.0, help="how long to wait for a recovery (s)")
-    p.add_argument("--only", default="launch,node_loss,store_loss")
+    p.add_argument("--only", default="launch,node_loss,node_loss_warm,store_loss")
     p.add_argument("--work", default=None)
     args = p.parse_args()
     only = args.only.split(",")
@@ -204,11 +254,11 @@ def main():
     try:
         tb.up()
         b = Bench(args, tb)
-        for scenario in ("launch", "node_loss", "store_loss"):
+        for scenario in ("launch", "node_loss", "node_loss_warm", "store_loss"):
             if scenario not in only:
                 continue
             for rep in range(args.reps):
-                for which in ("elastrun", "torchrun"):
+                for which in ("elastrun",) if scenario == "node_loss_warm" else ("elastrun", "torchrun"):
                     print(f"[testbed_bench] {scenario} {rep + 1}/{args.reps}: {which}", file=sys.stderr, flush=True)
                     try:
                         res = b.launch(which) if scenario == "launch" else b.loss(which, scenario)

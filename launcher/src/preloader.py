@@ -41,6 +41,41 @@ def _exit_code(code):
     return 1
 
 
+def _await_listener(host, port, seconds):
+    """Until something listens on host:port (a connect every 10 ms), at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())).close()
+            return
+        except ConnectionRefusedError:
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+        except OSError:
+            return  # unresolvable, unreachable, timed out: torch's own connect reports it
+
+
+def _patch_store_connect():
+    """torch 1.13's TCPStore client retries a refused connection only after a whole second. A forked
+    worker starts in milliseconds, so a rank that gets to init_process_group before rank 0 has
+    created its store (on another node, rank 0 is as fast) lost 1 s in every start and re-form.
+    Non-zero ranks now wait for rank 0's store to listen, checking every 10 ms, before torch creates
+    their client; what the store does and what the script sees are unchanged."""
+    rendezvous = sys.modules.get("torch.distributed.rendezvous")
+    create = getattr(rendezvous, "_create_c10d_store", None)
+    if create is None or getattr(create, "_elastrun_awaits_listener", False):
+        return
+
+    def _create_c10d_store(hostname, port, rank, world_size, timeout, *args, **kwargs):
+        if rank != 0:
+            _await_listener(hostname, port, timeout.total_seconds() if hasattr(timeout, "total_seconds") else 60)
+        return create(hostname, port, rank, world_size, timeout, *args, **kwargs)
+
+    _create_c10d_store._elastrun_awaits_listener = True
+    rendezvous._create_c10d_store = _create_c10d_store
+
+
 def _run_worker(order, stdout_fd, stderr_fd):
     """In the forked child: become the worker `python -u ARGV...` would have been, run it, exit."""
     os.setpgid(0, 0)
@@ -145,6 +180,7 @@ def main():
                         "threads cannot fork workers safely (an OpenBLAS built with pthreads: set "
                         "OPENBLAS_NUM_THREADS=1)"})
         sys.exit(2)
+    _patch_store_connect()
     _send({"ready": True, "seconds": round(time.monotonic() - started, 3)})
     wakeup_read, wakeup_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wakeup_write)

@@ -34,6 +34,8 @@ record = {
     "path0": sys.path[0],
     "helper": preload_helper.ANSWER,
     "torch_threads": torch.get_num_threads(),
+    # the preloader's faster wait for rank 0's c10d store (docs/launcher.md, "Preloaded workers")
+    "store_waits": bool(getattr(sys.modules["torch.distributed.rendezvous"]._create_c10d_store, "_elastrun_awaits_listener", False)),
     "torch_seed": torch.initial_seed(),
     "torch_draw": float(torch.rand(1)),
     "random_draw": random.random(),
