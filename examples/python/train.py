@@ -18,6 +18,11 @@ What it shows (docs/python.md walks through it):
     (torch, numpy, random), saved every --ckpt-every steps by elastrun.checkpoint.AsyncSaver
     (training goes on while it is written) with the step and the next sample position as metadata;
     loaded in place at start, at whatever world size the job has now;
+  - with --memory-every N under `elastrun --memory-checkpoints`, every N steps the same state goes
+    into the node agent's memory (elastrun.checkpoint.save(..., tier="memory")): a crashed worker's
+    replacement, or the survivors of a lost node, resume from the newest step every node holds
+    there (load() picks it when it is not older than the newest file checkpoint) -- a failure
+    costs no step instead of everything since the last file checkpoint;
   - the agent's control channel (elastrun.control): on checkpoint-and-stop (Slurm's time-limit
     signal, preemption) every rank saves and exits 85, and the agent requeues the job;
   - with $ELASTRUN_EVENTS_FILE, the same events as the C++ trainer (resumed, step,
@@ -56,6 +61,9 @@ def parse_args(argv):
                    help="checkpoint directory (default $ELASTRUN_CHECKPOINT_DIR; empty: no checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=10, help="save every N steps (0: only at the end)")
     p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (0: all)")
+    p.add_argument("--memory-every", type=int, default=0,
+                   help="also snapshot into the node agent's memory every N steps (elastrun --memory-checkpoints; "
+                        "0: never)")
     p.add_argument("--global-batch", type=int, default=64, help="samples per step over all ranks")
     p.add_argument("--seed", type=int, default=1, help="seed of the data, the model and the RNGs")
     p.add_argument("--hidden", type=int, default=32, help="hidden units")
@@ -72,8 +80,11 @@ def parse_args(argv):
         if not step.isdigit() or (rank and not rank.isdigit()):
             p.error(f"--fail-at-step {args.fail_at_step!r}: expected STEP or STEP:RANK")
         args.fail_step, args.fail_rank = int(step), int(rank or 1)
-    if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 0 or args.keep_last < 0:
-        p.error("--steps, --ckpt-every and --keep-last must not be negative, --global-batch must be positive")
+    if args.steps < 0 or args.global_batch < 1 or args.ckpt_every < 0 or args.keep_last < 0 or args.memory_every < 0:
+        p.error("--steps, --ckpt-every, --keep-last and --memory-every must not be negative, --global-batch must be "
+                "positive")
+    if args.memory_every and not args.ckpt_dir:
+        p.error("--memory-every needs --ckpt-dir: a requeued job (new agents, their memory gone) resumes from the file tier")
     return args
 
 
@@ -118,6 +129,11 @@ class Trainer:
         self.next_sample = 0
         self.saver = checkpoint.AsyncSaver(args.ckpt_dir, keep_last=args.keep_last) if args.ckpt_dir else None
         self.pending = None  # (step, start time, blocked seconds) of the save in flight
+        self.memory = bool(args.memory_every) and checkpoint.memory_available()
+        if args.memory_every and not self.memory and self.rank == 0:
+            self.log(f"--memory-every {args.memory_every}: the agent keeps no memory checkpoints "
+                     "(elastrun --memory-checkpoints): file tier only")
+        self.memory_warned = False
         self.seen_sequence = 0  # the control channel's last request seen
 
     def log(self, message):
@@ -134,7 +150,7 @@ class Trainer:
             return
         os.makedirs(self.args.ckpt_dir, exist_ok=True)
         state = self.state()
-        info = checkpoint.load(state, self.args.ckpt_dir)
+        info = checkpoint.load(state, self.args.ckpt_dir, memory=self.memory)
         if info is None:
             self.log(f"no checkpoint in {self.args.ckpt_dir}: starting at step 0")
             return
@@ -155,16 +171,36 @@ class Trainer:
                      f"{self.args.global_batch}: continuing at sample {self.next_sample}")
         for why in info.skipped:
             self.log(f"skipped a damaged checkpoint: {why}")
-        self.log(f"resumed from {info.path}: step {self.step}, sample {self.next_sample}, world {self.world} "
+        where = "the agents' memory" if info.source == "memory-local" else info.path
+        self.log(f"resumed from {where}: step {self.step}, sample {self.next_sample}, world {self.world} "
                  f"(saved at world {meta.get('world_size')})")
         if self.rank == 0:  # one event per resume, as the C++ trainer writes
-            self.events.write("resumed", step=self.step, world_size=self.world,
+            self.events.write("resumed", step=self.step, source=info.source, world_size=self.world,
                               saved_world_size=meta.get("world_size"), next_sample=self.next_sample)
+
+    def metadata(self, loss):
+        return {"step": self.step, "next_sample": self.next_sample, "global_batch": self.args.global_batch,
+                "seed": self.args.seed, "world_size": self.world, "loss": finite(loss)}
+
+    def save_to_memory(self, loss):
+        """Never fatal: a snapshot the agent refuses (its budget) leaves the file tier in charge."""
+        started = time.monotonic()
+        try:
+            info = checkpoint.save(self.state(), self.args.ckpt_dir, self.step, tier="memory",
+                                   metadata=self.metadata(loss))
+        except checkpoint.CheckpointError as e:
+            if not self.memory_warned:
+                self.log(f"warning: memory snapshot of step {self.step}: {e}")
+            self.memory_warned = True
+            return
+        blocked = time.monotonic() - started
+        if self.rank == 0:
+            self.events.write("checkpoint_saved", step=self.step, tier="memory", bytes=info.bytes_written,
+                              blocked_s=blocked, durable_s=blocked, world_size=self.world)
 
     def save(self, loss, wait):
         self.finish_save()
-        metadata = {"step": self.step, "next_sample": self.next_sample, "global_batch": self.args.global_batch,
-                    "seed": self.args.seed, "world_size": self.world, "loss": finite(loss)}
+        metadata = self.metadata(loss)
         started = time.monotonic()
         self.saver.save(self.state(), self.step, metadata=metadata)
         self.pending = (self.step, started, time.monotonic() - started)
@@ -181,7 +217,7 @@ class Trainer:
         durable = time.monotonic() - started
         if self.rank == 0:
             self.log(f"checkpoint step {step} -> {info.path} (blocked {blocked:.3f} s, durable after {durable:.3f} s)")
-        self.events.write("checkpoint_saved", step=step, bytes=info.bytes_written, blocked_s=blocked,
+        self.events.write("checkpoint_saved", step=step, tier="file", bytes=info.bytes_written, blocked_s=blocked,
                           durable_s=durable, world_size=self.world)
 
     def maybe_fail(self):
@@ -226,6 +262,8 @@ class Trainer:
                 if self.step % 10 == 0 or self.step == args.steps:
                     self.log(f"step {self.step}/{args.steps} loss {loss_value:.5f} world {self.world}")
                 self.events.write("step", step=self.step, loss=finite(loss_value), world_size=self.world)
+            if self.memory and self.step % args.memory_every == 0 and self.step != args.steps:
+                self.save_to_memory(loss_value)
             if self.pending is not None and not self.saver.busy:
                 self.finish_save()  # durable: log it and write its event now, not at the next save
             status = control.poll_all()  # every rank takes the same decision

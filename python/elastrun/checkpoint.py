@@ -29,7 +29,10 @@ import atexit
 import datetime
 import json
 import os
+import struct
+import sys
 import weakref
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -42,9 +45,10 @@ except ImportError as e:  # the pure-Python sources without the build (python/ o
     raise ImportError(f"elastrun.checkpoint needs the compiled module elastrun._core ({e}): run scripts/setup and "
                       "import the package from build/python (PYTHONPATH=build/python)") from e
 from . import _comm, _tree
+from . import memory as _memory
 from ._tree import Shard, TreeError
 
-__all__ = ["save", "load", "AsyncSaver", "Shard", "SaveInfo", "LoadInfo", "list_steps", "verify",
+__all__ = ["save", "load", "AsyncSaver", "Shard", "SaveInfo", "LoadInfo", "list_steps", "verify", "memory_available",
            "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError", "TreeError"]
 
 CheckpointError = _core.CheckpointError
@@ -78,13 +82,15 @@ class SaveInfo:
 
 @dataclass
 class LoadInfo:
-    """What load() restored: the step, its directory, the metadata passed to save(), and why newer
-    steps were skipped (damage found on some rank)."""
+    """What load() restored: the step, its directory ("memory" when it came from the agents'
+    memory), the metadata passed to save(), why newer steps were skipped (damage found on some
+    rank) and where it came from (`source`: "file" or "memory-local")."""
 
     step: int
     path: str
     metadata: Dict[str, Any]
     skipped: List[str] = field(default_factory=list)
+    source: str = "file"  # or "memory-local": this node's agent held it (load(memory=True))
 
 
 # ---- tensors <-> DLPack entries -------------------------------------------------------------------
@@ -187,7 +193,7 @@ def _check_step(step: int) -> int:
 
 def save(state_dict: Dict[str, Any], ckpt_dir: str, step: int, *, metadata: Optional[Dict[str, Any]] = None,
          keep_last: int = 0, keep_every: int = 0, check_replicas: str = "sampled", store: Any = None,
-         timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> SaveInfo:
+         timeout: datetime.timedelta = DEFAULT_TIMEOUT, tier: str = "file") -> SaveInfo:
     """Saves `state_dict` as step `step` under `ckpt_dir`; every rank calls it. Returns when the step
     is committed and durable (all ranks voted, fsynced, renamed into place, ``latest`` updated).
 
@@ -202,8 +208,20 @@ def save(state_dict: Dict[str, Any], ckpt_dir: str, step: int, *, metadata: Opti
     store: a torch.distributed Store for the ranks' votes (default: the default process group's,
         or one the package opens itself when no group is initialised).
 
+    tier: "file" (the above) or "memory": a snapshot of this rank's state_dict into its node
+        agent's memory (``elastrun --memory-checkpoints``; see :func:`memory_available`), which
+        outlives this process and is what load() resumes from when it is the newest step every
+        rank's node holds. Not collective, no vote, no retention options: the call returns once the
+        bytes are copied (one copy, straight into the agent's segment) and committed; `ckpt_dir`
+        is not touched. Raises CheckpointError when the agent keeps no memory checkpoints or
+        refuses (its budget).
+
     On failure every rank raises CheckpointError and the previous checkpoint is untouched.
     """
+    if tier == "memory":
+        return _save_to_memory(state_dict, _check_step(step), metadata)
+    if tier != "file":
+        raise ValueError(f"tier={tier!r}: expected 'file' or 'memory'")
     os.makedirs(ckpt_dir, exist_ok=True)
     with _comm.collective(ckpt_dir, "sync", store=store, timeout=timeout) as comm:
         _check_step(step)
@@ -245,6 +263,7 @@ class _Plan:
             self.spec = saved["tree"]
         self.step = index["step"]
         self.entries: list = []
+        self.targets: List[Tuple[str, torch.Tensor, Optional[List[int]]]] = []  # (name, tensor to fill, Shard offsets)
         self.copy_back: List[Tuple[Any, torch.Tensor]] = []  # (caller's tensor, staging tensor)
         self._check_no_extra_tensors(state_dict, index["step"])
         self.tree = _tree.build(self.spec, state_dict, self._tensor_for)
@@ -310,10 +329,19 @@ class _Plan:
             self.copy_back.append((tensor, into))
         capsule, as_dtype = _capsule(into)
         self.entries.append((name, capsule, as_dtype, offset))
+        self.targets.append((name, into, offset))
+
+    def finish(self, state_dict: Dict[str, Any]) -> None:
+        """Copies staged values into the caller's tensors and merges the tree into `state_dict`."""
+        for tensor, staged in self.copy_back:
+            with torch.no_grad():
+                tensor.copy_(staged)
+        _tree.merge_into(state_dict, self.tree)
 
 
 def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, missing_ok: bool = False,
-         store: Any = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> Optional[LoadInfo]:
+         memory: bool = True, store: Any = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+         ) -> Optional[LoadInfo]:
     """Restores the newest valid checkpoint under `ckpt_dir` into `state_dict`, in place; every rank
     calls it, at any world size.
 
@@ -325,10 +353,18 @@ def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, miss
 
     missing_ok: a `ckpt_dir` that does not exist means "no checkpoint yet" instead of an error
         (by default a mistyped path fails rather than silently starting afresh).
+    memory: when the node's agent keeps memory checkpoints (save(..., tier="memory")), the ranks
+        agree on the newest step that every rank's node holds in memory and restore it, from this
+        node's agent, when it is not older than the newest step on disk; otherwise (or if any
+        rank cannot use it: damaged, another model, a Shard box that moved) the file tier as
+        above. Every snapshot in this node's agent newer than the step restored (or than 0, when
+        nothing is) is then dropped: an abandoned history, which retention would otherwise keep
+        in place of new snapshots. Call load() before the first training step on every rank.
     Raises CheckpointMismatchError (naming the key) if no checkpoint fits the state_dict.
     """
     ckpt_dir = os.fspath(ckpt_dir)
-    if missing_ok and not os.path.isdir(ckpt_dir):
+    tier = _memory_tier() if memory else None
+    if missing_ok and not os.path.isdir(ckpt_dir) and not (tier is not None and _votes_without_dir()):
         return None
     plans: List[_Plan] = []  # the step being tried (restore stops at the one that loads)
 
@@ -339,19 +375,219 @@ def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, miss
     with _comm.collective(ckpt_dir, "sync", store=store, timeout=timeout) as comm:
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict (got {type(state_dict).__name__})")
-        if not os.path.isdir(ckpt_dir):
+        have_dir = os.path.isdir(ckpt_dir)
+        if not have_dir and not missing_ok:
             raise FileNotFoundError(f"checkpoint directory {ckpt_dir!r} does not exist "
                                     "(create it, or pass missing_ok=True to start without a checkpoint)")
-        result = _core.restore(ckpt_dir, comm, targets_for, verify)
+        if tier is not None:
+            info = _restore_from_memory(state_dict, ckpt_dir if have_dir else None, tier, comm)
+            if info is not None:
+                _forget_after(tier, info.step)
+                return info
+        result = _core.restore(ckpt_dir, comm, targets_for, verify) if have_dir else None
+    if tier is not None:
+        _forget_after(tier, 0 if result is None else result["step"])
     if result is None:
         return None
     plan = plans[0]
     assert plan.step == result["step"], (plan.step, result["step"])
-    for tensor, staged in plan.copy_back:
-        with torch.no_grad():
-            tensor.copy_(staged)
-    _tree.merge_into(state_dict, plan.tree)
+    plan.finish(state_dict)
     return LoadInfo(result["step"], result["path"], plan.metadata, result["skipped"])
+
+
+# ---- the memory tier ------------------------------------------------------------------------------
+# A snapshot in the node agent's memory is one segment (docs/checkpoint-format.md, "Memory tier"):
+#   [8 bytes: magic][8 bytes: little-endian length H of the header][H bytes: header JSON]
+#   [zero padding to a multiple of 64][the tensors' bytes, each at a multiple of 64 from here]
+# header: {"step", "rank", "world_size", "metadata": <the metadata text a file checkpoint holds, with
+# the state's structure>, "tensors": [[name, dtype, shape, offset, nbytes, shard], ...]} where
+# shard is null for a replicated tensor, else [global shape, offsets] of this rank's box. The
+# segment's checksum (kept by the agent) is the CRC-32 (zlib) of all of it.
+
+_MEMORY_MAGIC = b"ERMEM\x001\x00"
+_MEMORY_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return (n + _MEMORY_ALIGN - 1) // _MEMORY_ALIGN * _MEMORY_ALIGN
+
+
+def _memory_tier() -> Optional[_memory.MemoryTier]:
+    tier = _memory.MemoryTier()
+    return tier if tier.enabled else None
+
+
+def memory_available() -> bool:
+    """True when this process's node agent keeps memory checkpoints (``elastrun
+    --memory-checkpoints``): save(..., tier="memory") works and load() looks there too."""
+    return _memory_tier() is not None
+
+
+def _votes_without_dir() -> bool:
+    # the votes need no checkpoint directory unless the package must open a store of its own in it
+    dist = _comm._dist()
+    return (dist is not None and dist.is_initialized()) or _comm.rank_and_world()[1] == 1
+
+
+def _save_to_memory(state_dict: Dict[str, Any], step: int, metadata: Optional[Dict[str, Any]]) -> SaveInfo:
+    tier = _memory_tier()
+    if tier is None:
+        raise CheckpointError("save(tier='memory'): this node's agent keeps no memory checkpoints "
+                              "(start elastrun with --memory-checkpoints)")
+    rank, world = _comm.rank_and_world()
+    flat = _tree.flatten(state_dict)
+    text = _metadata_text(state_dict, flat, metadata)
+    tensors, layout, end = [], [], 0
+    for leaf in flat.tensors:
+        tensor = _host_tensor(leaf.value, leaf.path)
+        nbytes = tensor.numel() * tensor.element_size()
+        shard = [list(leaf.value.global_shape), list(leaf.value.offsets)] if isinstance(leaf.value, Shard) else None
+        tensors.append(tensor)
+        layout.append([leaf.name, _TORCH_DTYPES[tensor.dtype], list(tensor.shape), end, nbytes, shard])
+        end = _aligned(end + nbytes)
+    header = json.dumps({"step": step, "rank": rank, "world_size": world, "metadata": text, "tensors": layout},
+                        allow_nan=False).encode()
+    data_start = _aligned(16 + len(header))
+    total = data_start + end
+    try:
+        with tier.allocate(step, rank, total) as segment:
+            buffer = segment.buffer
+            buffer[0:16] = _MEMORY_MAGIC + struct.pack("<Q", len(header))
+            buffer[16:16 + len(header)] = header
+            if end:
+                into = torch.frombuffer(buffer, dtype=torch.uint8)
+                for tensor, (_, _, _, offset, nbytes, _) in zip(tensors, layout):
+                    if nbytes:
+                        into[data_start + offset:data_start + offset + nbytes].copy_(
+                            tensor.reshape(-1).view(torch.uint8))
+                del into
+            segment.commit(zlib.crc32(buffer))
+    except _memory.MemoryTierError as e:
+        raise CheckpointError(f"rank {rank}: memory snapshot of step {step}: {e}") from None
+    return SaveInfo(step, "memory", total)
+
+
+def _newest_in_memory(tier: _memory.MemoryTier) -> int:
+    """The newest step this node's agent holds a committed snapshot of (any rank), or -1 (also when
+    the agent cannot be asked: this rank must still vote, or its peers would wait for it)."""
+    try:
+        steps = [int(s["step"]) for s in tier.list().get("segments", []) if s.get("committed")]
+    except (OSError, ValueError, KeyError, _memory.MemoryTierError) as e:
+        print(f"elastrun.checkpoint: asking this node's agent for memory snapshots: {e}", file=sys.stderr, flush=True)
+        return -1
+    return max(steps, default=-1)
+
+
+def _open_from_memory(tier: _memory.MemoryTier, step: int, rank: int, world: int, problems: List[str]):
+    """(snapshot, header) of `step` from this node's agent that this rank can restore from: its own
+    rank's, else (everything replicated) any rank's; checked (magic, checksum). None if none."""
+    ranks = sorted({int(s["rank"]) for s in tier.list().get("segments", [])
+                    if s.get("committed") and int(s["step"]) == step}, key=lambda r: (r != rank, r))
+    for r in ranks:
+        snapshot = tier.open(r, step)
+        if snapshot is None:
+            continue
+        try:
+            buffer = snapshot.buffer
+            if len(buffer) < 16 or bytes(buffer[0:8]) != _MEMORY_MAGIC:
+                problems.append(f"the snapshot of rank {r} is not one elastrun.checkpoint wrote")
+            elif zlib.crc32(buffer) != snapshot.checksum:
+                problems.append(f"the snapshot of rank {r} fails its checksum")
+            else:
+                (length,) = struct.unpack("<Q", buffer[8:16])
+                header = json.loads(bytes(buffer[16:16 + length]))
+                header["data_start"] = _aligned(16 + length)
+                sharded = any(entry[5] is not None for entry in header["tensors"])
+                if not sharded or (r == rank and header["world_size"] == world):
+                    result, snapshot = (snapshot, header), None
+                    return result
+                problems.append(f"the snapshot of rank {r} holds sharded tensors of another rank or world")
+        finally:
+            if snapshot is not None:
+                snapshot.close()
+    return None
+
+
+def _plan_from_memory(state_dict: Dict[str, Any], header: dict) -> _Plan:
+    """The plan of `state_dict` against a memory snapshot, every target checked against the
+    snapshot's boxes (raises on a mismatch); nothing is copied yet."""
+    by_name = {entry[0]: entry for entry in header["tensors"]}
+    index = {"tensors": [(name, dtype, shard[0] if shard else shape, None)
+                         for name, dtype, shape, _, _, shard in header["tensors"]],
+             "metadata": header["metadata"], "step": header["step"], "path": "memory"}
+    plan = _Plan(state_dict, index)
+    for name, into, offset in plan.targets:
+        _, _, shape, _, nbytes, shard = by_name[name]
+        if (shard[1] if shard else None) != offset or list(into.shape) != list(shape) \
+                or into.numel() * into.element_size() != nbytes:
+            raise CheckpointMismatchError(f"'{name}': the memory snapshot holds another box of it")
+    return plan
+
+
+def _copy_from_memory(plan: _Plan, snapshot: Any, header: dict, state_dict: Dict[str, Any]) -> None:
+    by_name = {entry[0]: entry for entry in header["tensors"]}
+    start = header["data_start"]
+    for name, into, _ in plan.targets:
+        at, nbytes = by_name[name][3], by_name[name][4]
+        if nbytes:
+            source = torch.frombuffer(snapshot.buffer, dtype=torch.uint8, count=nbytes, offset=start + at)
+            with torch.no_grad():
+                into.reshape(-1).view(torch.uint8).copy_(source)
+            del source
+    plan.finish(state_dict)
+
+
+def _restore_from_memory(state_dict: Dict[str, Any], ckpt_dir: Optional[str], tier: _memory.MemoryTier,
+                         comm: Any) -> Optional[LoadInfo]:
+    """Every rank: the newest step every node holds in memory, if not older than the newest on disk
+    and usable by every rank; None (nothing changed in `state_dict`) to let the file tier decide."""
+    rank, world = comm.rank, comm.world_size
+    mine = _newest_in_memory(tier)
+    newest_file = max((step for step, _ in list_steps(ckpt_dir)), default=-1) if ckpt_dir else -1
+    votes = [json.loads(v) for v in _allgather(comm, {"memory": mine, "file": newest_file})]
+    step = min(v["memory"] for v in votes)
+    newest_file = max(v["file"] for v in votes)
+    if step < 0 or step < newest_file:
+        return None
+    problems: List[str] = []
+    try:
+        opened = _open_from_memory(tier, step, rank, world, problems)
+    except (OSError, ValueError, KeyError, _memory.MemoryTierError) as e:
+        opened = None
+        problems.append(f"reading this node's agent: {e}")
+    try:
+        plan = None
+        if opened is not None:
+            try:
+                plan = _plan_from_memory(state_dict, opened[1])
+            except (CheckpointError, TreeError, KeyError, ValueError) as e:
+                problems.append(f"{type(e).__name__}: {e}")
+        elif not problems:
+            problems.append(f"this node's agent holds no snapshot of step {step} for rank {rank}")
+        # The caller's tensors are written only once every rank knows it can restore this step.
+        usable = [json.loads(v) for v in _allgather(comm, {"ok": plan is not None, "why": problems[:1]})]
+        if not all(v["ok"] for v in usable):
+            if rank == 0:
+                why = next((f"rank {r}: {v['why'][0]}" for r, v in enumerate(usable) if v["why"]), "")
+                print(f"elastrun.checkpoint: the memory snapshot of step {step} is not usable on every rank "
+                      f"({why}): restoring from the file tier", file=sys.stderr, flush=True)
+            return None
+        _copy_from_memory(plan, opened[0], opened[1], state_dict)
+    finally:
+        if opened is not None:
+            opened[0].close()
+    return LoadInfo(step, "memory", plan.metadata, [], source="memory-local")
+
+
+def _allgather(comm: Any, value: Dict[str, Any]) -> List[bytes]:
+    return comm.allgather(json.dumps(value).encode())
+
+
+def _forget_after(tier: _memory.MemoryTier, step: int) -> None:
+    try:
+        tier.forget_after(step)
+    except (OSError, _memory.MemoryTierError) as e:
+        print(f"elastrun.checkpoint: dropping memory snapshots after step {step}: {e}", file=sys.stderr, flush=True)
 
 
 # ---- async ----------------------------------------------------------------------------------------

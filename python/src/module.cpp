@@ -235,6 +235,20 @@ PYBIND11_MODULE(_core, m) {
           },
           py::arg("store"), py::arg("rank"), py::arg("world_size"), py::arg("prefix"), py::arg("timeout"),
           "votes through a torch.distributed Store under keys '<prefix>/...'")
+      .def(
+          "allgather",
+          [](Comm& c, const py::bytes& mine) {
+            const std::string value = mine;
+            std::vector<std::string> all;
+            {
+              py::gil_scoped_release release;  // the store's calls take the GIL when they need it
+              all = c.communicator->allgather(value);
+            }
+            py::list out;
+            for (const auto& v : all) out.append(py::bytes(v));
+            return out;
+          },
+          py::arg("mine"), "every rank's value, in rank order (a collective: every rank calls it)")
       .def_property_readonly("rank", [](const Comm& c) { return c.communicator->rank(); })
       .def_property_readonly("world_size", [](const Comm& c) { return c.communicator->size(); });
 

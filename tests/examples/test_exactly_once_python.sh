@@ -7,7 +7,10 @@
 #      15 (or 10: the async save of 15 may not have committed yet) and finishes
 #   C  2 workers to step 20, then 3 workers resume from step 20 and finish
 #   D  like A with another --seed: must differ
-#   then `elastrun-ckpt diff A B`, `diff A C` exit 0, `diff A D` exits 1; A's events; and
+#   M  the memory tier with preloaded workers (--preload=torch --memory-checkpoints, --memory-every 1):
+#      2 workers, rank 1 fails before step 18 once: the restart resumes from step 17 in the agents'
+#      memory (the newest file step is 15 or 10), not from the file tier
+#   then `elastrun-ckpt diff A B`, `diff A C`, `diff A M` exit 0, `diff A D` exits 1; A's events; and
 #   checkpoint-and-stop (SIGUSR1 to a worker) saves and exits 85.
 # Usage: test_exactly_once_python.sh path/to/elastrun path/to/elastrun-ckpt SOURCE_DIR
 set -euo pipefail
@@ -51,6 +54,27 @@ grep -Eq "\[rank 0\] resumed from .*step-0*(15|10): step (15|10), sample (960|64
 [[ $(grep -c "failing on purpose" "$out/b.log") -eq 1 ]] || fail "B failed more than once"
 grep -q "\[rank 0\] done: 30 steps" "$out/b.log" || fail "B did not finish"
 
+# M: the memory tier, a snapshot every step, preloaded workers
+agent 2 m.log --max-restarts=1 --preload=torch --memory-checkpoints=16M --events "$out/m.events" \
+  "$train" "${steps[@]}" --memory-every 1 --ckpt-dir "$out/m" --fail-at-step 17:1 || fail "M exited $?"
+grep -q "\[rank 1\] --fail-at-step 17:1: failing on purpose at step 17" "$out/m.log" || fail "M: rank 1 did not fail"
+grep -q "\[rank 0\] resumed from the agents' memory: step 17, sample 1088, world 2 (saved at world 2)" "$out/m.log" ||
+  fail "M did not resume from step 17 in the agents' memory"
+grep -q "\[rank 0\] done: 30 steps" "$out/m.log" || fail "M did not finish"
+/usr/bin/python3 - "$out/m.events" <<'PY' || fail "M's events"
+import sys
+import elastrun.events
+events = elastrun.events.read([sys.argv[1]])
+resumed = [e for e in events if e["event"] == "resumed"]
+assert len(resumed) == 1 and resumed[0]["step"] == 17 and resumed[0]["source"] == "memory-local", resumed
+memory = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("tier") == "memory"]
+assert 17 in memory and len(memory) >= 25 and 30 not in memory, memory  # every step but the last, rank 0
+files = {e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("tier") == "file"}
+assert {20, 25, 30} <= files, files
+started = [e for e in events if e["event"] == "workers_started"]
+assert started and all(set(e["started_by"]) == {"preload"} for e in started), started
+PY
+
 # C: 2 workers to step 20, then 3 workers to 30
 agent 2 c1.log "$train" --steps 20 --ckpt-every 5 --ckpt-dir "$out/c" || fail "C (2 workers) exited $?"
 agent 3 c2.log "$train" "${steps[@]}" --ckpt-dir "$out/c" || fail "C (3 workers) exited $?"
@@ -60,7 +84,7 @@ grep -q "\[rank 0\] resumed from .*: step 20, sample 1280, world 3 (saved at wor
 # D: another seed
 timeout 300 /usr/bin/python3 "$train" "${steps[@]}" --ckpt-dir "$out/d" --seed 2 >"$out/d.log" 2>&1 || fail "D exited $?"
 
-for run in b c; do
+for run in b c m; do
   rc=0
   "$tool" diff "$out/a" "$out/$run" >"$out/diff-$run.log" 2>&1 || rc=$?
   ((rc == 0)) || fail "diff A ${run^^} exited $rc: $(cat "$out/diff-$run.log")"
@@ -83,6 +107,7 @@ await "$agent_pid" || rc=$?
 grep -q "\[rank 0\] checkpoint-and-stop: saved step [0-9]*; exiting 85" "$out/s.log" || fail "no checkpoint-and-stop line"
 [[ -n $(compgen -G "$out/s/step-*") ]] || fail "checkpoint-and-stop saved nothing: $(ls "$out/s")"
 
-echo "ok: max |Δ| vs the world-1 run: failure+restart at world 3 $(max_delta "$out/diff-b.log")," \
+echo "ok: max |Δ| vs the world-1 run: failure+restart at world 3 $(max_delta "$out/diff-b.log"),"
+echo "  the same restored from the agents' memory (0 steps lost) $(max_delta "$out/diff-m.log")," \
   "world 2 -> 3 $(max_delta "$out/diff-c.log"); another seed $(max_delta "$out/diff-d.log") (diff exit 1);" \
   "SIGUSR1 -> checkpoint, exit 85"

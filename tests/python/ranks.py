@@ -8,6 +8,7 @@ reference that rank 0 of the saving world wrote with torch.save.
 import os
 import random
 import sys
+import time
 
 import numpy as np
 import torch
@@ -101,23 +102,35 @@ def same(a, b, path="") -> None:
         assert a == b, f"{path}: {a!r} != {b!r}"
 
 
+def fresh_state():
+    """Another model, a fresh Adam (state {}) and scheduler, no RNG states: what a resume fills."""
+    model, optim, sched = training_state(seed=99)  # other values everywhere
+    optim = torch.optim.Adam(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.1)
+    state = state_of(model, optim, sched, with_rng=False)
+    state["embedding"].local_tensor.fill_(-1)
+    return model, optim, sched, state
+
+
 def scenario_load(ckpt_dir, step):
     """Load into a fresh model/Adam/scheduler at this world size; compare with reference.pt; one
     more optimizer step must match the reference's."""
     init_group()
-    model, optim, sched = training_state(seed=99)  # other values everywhere
-    optim = torch.optim.Adam(model.parameters(), lr=0.5)  # fresh: state {}
-    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=7, gamma=0.1)
-    state = state_of(model, optim, sched, with_rng=False)
-    local_embedding = state["embedding"].local_tensor
-    local_embedding.fill_(-1)
+    model, optim, sched, state = fresh_state()
     info = ec.load(state, ckpt_dir)
     assert info is not None and info.step == int(step), info
     assert info.metadata == {"epoch": 2, "next_sample": 96}, info.metadata
+    check_restored(model, optim, sched, state, os.path.join(ckpt_dir, "..", "reference.pt"))
+    log("loaded step", info.step, "at world", WORLD)
+
+
+def check_restored(model, optim, sched, state, reference):
+    """The restored state equals reference.pt bit for bit, and continues exactly like it."""
+    local_embedding = state["embedding"].local_tensor
     model.load_state_dict(state["model"])
     optim.load_state_dict(state["optim"])
     sched.load_state_dict(state["sched"])
-    ref = torch.load(os.path.join(ckpt_dir, "..", "reference.pt"))
+    ref = torch.load(reference)
     same(model.state_dict(), ref["model"], "model")
     same(optim.state_dict(), ref["optim"], "optim")
     same(sched.state_dict(), ref["sched"], "sched")
@@ -145,7 +158,51 @@ def scenario_load(ckpt_dir, step):
         m(x).pow(2).sum().backward()
         o.step()
     same(model.state_dict(), ref_model.state_dict(), "model after one more step")
-    log("loaded step", info.step, "at world", WORLD)
+
+
+def scenario_memory(ckpt_dir):
+    """Under `elastrun --memory-checkpoints --max-restarts=1` (RANK etc. from the agent).
+    Attempt 0: file step 3, memory step 5 of the reference state (tier="memory"), then rank 1 exits
+    3. Attempt 1, in fresh processes: load() takes step 5 from this node's agent (newer than the
+    file's 3) bit for bit, Shard box and RNG states included; memory=False takes the file's 3; a
+    newer file step (7) wins over memory; a newer memory step (8) wins again."""
+    init_group()
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    reference = os.path.join(ckpt_dir, "..", "reference.pt")
+    assert ec.memory_available(), "the agent keeps no memory checkpoints"
+    if attempt == 0:
+        model, optim, sched = training_state(seed=1)
+        state = state_of(model, optim, sched)
+        ec.save(state, ckpt_dir, 3, metadata={"epoch": 2, "next_sample": 96})
+        info = ec.save(state, ckpt_dir, 5, metadata={"epoch": 2, "next_sample": 160}, tier="memory")
+        assert info.path == "memory" and info.bytes_written > 0, info
+        assert [step for step, _ in ec.list_steps(ckpt_dir)] == [3], "tier='memory' wrote to the directory"
+        if RANK == 0:
+            torch.save({"model": model.state_dict(), "optim": optim.state_dict(), "sched": sched.state_dict(),
+                        "rng": state["rng"]}, reference)
+        dist.barrier()
+        if RANK == 1:
+            log("exiting 3 after the memory snapshot of step 5")
+            sys.exit(3)
+        time.sleep(60)  # stopped by the agent when rank 1 fails
+        return
+    model, optim, sched, state = fresh_state()
+    info = ec.load(state, ckpt_dir)
+    assert info is not None and (info.step, info.source, info.path) == (5, "memory-local", "memory"), info
+    assert info.metadata == {"epoch": 2, "next_sample": 160}, info.metadata
+    check_restored(model, optim, sched, state, reference)
+    model, optim, sched, state = fresh_state()
+    info = ec.load(state, ckpt_dir, memory=False)
+    assert (info.step, info.source) == (3, "file"), info
+    check_restored(model, optim, sched, state, reference)
+    ec.save(state, ckpt_dir, 7, metadata={"next_sample": 224})
+    model, optim, sched, state = fresh_state()
+    info = ec.load(state, ckpt_dir)
+    assert (info.step, info.source) == (7, "file"), info
+    ec.save(state, ckpt_dir, 8, metadata={"next_sample": 256}, tier="memory")
+    info = ec.load(fresh_state()[3], ckpt_dir)
+    assert (info.step, info.source, info.metadata) == (8, "memory-local", {"next_sample": 256}), info
+    log("memory tier ok")
 
 
 def scenario_async_equals_sync(ckpt_dir):

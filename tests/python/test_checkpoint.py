@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import elastrun.checkpoint as ec
-from conftest import run_world
+from conftest import HERE, PYTHON, run_world
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.uint8, torch.bool]
@@ -224,3 +224,27 @@ saver.save({{"w": torch.arange(1 << 20, dtype=torch.float32)}}, 9)
 """  # no wait(): the atexit hook must finish the save before the interpreter goes
     subprocess.run(["/usr/bin/python3", "-c", script], check=True, timeout=120)
     assert [s for s, _ in ec.list_steps(tmp_path)] == [9]
+
+
+def test_memory_tier_restores_the_newest_step_of_the_agents_memory(tmp_path):
+    """save(tier="memory") and load() against a real agent (elastrun --memory-checkpoints): after a
+    worker crash the new processes restore the memory step bit for bit (ranks.py memory)."""
+    agent = os.environ.get("ELASTRUN_AGENT")
+    if not agent:
+        pytest.skip("ELASTRUN_AGENT (the elastrun binary) not set: run through ctest")
+    (tmp_path / "ckpt").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTRUN_", "TORCHELASTIC_", "PET_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(ELASTRUN_PYTHON=PYTHON, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([agent, "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+                             "--memory-checkpoints=16M", os.path.join(HERE, "ranks.py"), "memory",
+                             str(tmp_path / "ckpt")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert out.count("memory tier ok") == 2, out
