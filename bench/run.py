@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PY = "/usr/bin/python3"
 SCHEMA = "elastrun-bench/1"
-GROUPS = ("storage", "ckpt", "launcher", "testbed", "rdzv")
+GROUPS = ("storage", "ckpt", "memory", "launcher", "testbed", "rdzv")
 
 
 def log(msg):
@@ -361,6 +361,31 @@ def launcher_figures(figs, raw, nprocs, why=None):
              f"torchrun {t.get('rss_peak_kib', 0) / 1024:.1f} MiB")
 
 
+def memory_figures(figs, raw, why=None):
+    if why or not raw or "error" in raw:
+        figs.add("memory.snapshot_blocked", "memory", "training blocked per memory snapshot", "s", "lower", [],
+                 "memcpy of the shard", [], why=why or (raw or {}).get("error", "not run"))
+        return
+    size = f"{raw['nprocs']} ranks x {raw['mib_per_rank']} MiB, all at once; the slowest rank"
+    figs.add("memory.snapshot_blocked", "memory", "training blocked per memory snapshot (save(tier=\"memory\"))", "s",
+             "lower", raw["snapshot_s"], "memcpy of the shard (touched buffers)", raw["memcpy_warm_s"],
+             (">=", 1 / 1.1, "<= 1.1x a memcpy"),
+             f"{size}: the copy into a new segment of the agent and its XXH3 in one pass")
+    figs.add("memory.snapshot_vs_fresh_memcpy", "memory", "the same vs a memcpy into fresh memory", "s", "lower",
+             raw["snapshot_s"], "memcpy into fresh memory", raw["memcpy_fresh_s"], None,
+             "a new segment's pages are faulted in and zeroed by the kernel at the first write: the gap to the "
+             "touched-buffer memcpy above is that, not the copy")
+    figs.add("memory.restore_local", "memory", "restore from this node's agent (load(), memory-local)", "s", "lower",
+             raw["restore_s"], "memcpy of the shard (touched buffers)", raw["memcpy_warm_s"],
+             (">=", 0.5, ">= 0.5x a memcpy's bandwidth"), f"{size}: two votes, the hash check, the copy")
+    plain, snap = raw.get("train_step_plain_s", []), raw.get("train_step_snapshot_s", [])
+    figs.add("memory.train_slowdown", "memory",
+             f"CPU-bound training step with a {raw['train_mib']} MiB snapshot per rank after every step", "s", "lower",
+             snap, "the same steps without snapshots", plain, (">=", 1 / 1.05, "<= 5 % slower"),
+             f"{raw['nprocs']} ranks, matrix products (~1 s per step), alternating blocks; replication to a partner "
+             "node is not built yet (no CPU seconds of it to report)")
+
+
 def testbed_figures(figs, raw, why=None):
     if why:
         figs.add("testbed.launch_share", "testbed", "testbed, 4 nodes x 2 procs: launch -> every worker started", "s",
@@ -614,6 +639,11 @@ MEANING = {
             "with the earlier outputs deleted and written back; loads read warm page cache into a model's existing "
             "tensors for every tool (torch.load: with the copy into them, load_state_dict). `shared` is a "
             "GlusterFS volume of a private testbed, mounted through FUSE.",
+    "memory": "The memory checkpoint tier (`bench/memory_bench.py`): one standalone agent with "
+              "`--memory-checkpoints`, 4 gloo workers snapshotting with `elastrun.checkpoint.save(..., "
+              "tier=\"memory\")` and restoring with `load()`, against a memcpy of the same tensors measured in the "
+              "same run by the same processes; the training-loop figure alternates blocks of steps with and without "
+              "a snapshot per step.",
     "launcher": "The elastrun agent vs torchrun 1.13 (`/usr/bin/python3 -m torch.distributed.run --redirects 9:0 "
                 "--tee 9:0`) with the same workers (`bench/launcher_bench.py`), alternated. The launcher's own share "
                 "is launch -> every worker process started; the first all-reduce adds `import torch` in the worker, "
@@ -773,6 +803,17 @@ def main():
             if vol is not None and not vol.path and "ckpt" in only:
                 figs.add("ckpt.shared.save_vs_limit", "ckpt", "[shared] sync save vs storage limit", "GB/s", "higher",
                          [], "storage limit (best of fio and dd)", [], why=f"no shared filesystem here: {vol.why}")
+        if "memory" in only:
+            log("memory: the memory checkpoint tier vs memcpy")
+            mj = os.path.join(work, "memory.json")
+            argv = [PY, os.path.join(HERE, "memory_bench.py"), "--elastrun", os.path.join(args.bin, "elastrun"),
+                    "--json", mj, "--reps", str(runs), "--mib-per-rank", str(mib)]
+            if args.quick:
+                argv += ["--train-mib", "8", "--train-steps", "4", "--step-s", "0.2"]
+            r = run(argv, 3600)
+            raw["memory"] = json.load(open(mj)) if os.path.exists(mj) else None
+            memory_figures(figs, raw["memory"],
+                           why=None if raw["memory"] else f"memory_bench failed: {r.stderr.strip().splitlines()[-1:]}")
         if "launcher" in only:
             log("launcher: elastrun vs torchrun (alternated)")
             nprocs = [2] if args.quick else [1, 2, 4]

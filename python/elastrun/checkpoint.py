@@ -32,7 +32,6 @@ import os
 import struct
 import sys
 import weakref
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -402,7 +401,8 @@ def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, miss
 # header: {"step", "rank", "world_size", "metadata": <the metadata text a file checkpoint holds, with
 # the state's structure>, "tensors": [[name, dtype, shape, offset, nbytes, shard], ...]} where
 # shard is null for a replicated tensor, else [global shape, offsets] of this rank's box. The
-# segment's checksum (kept by the agent) is the CRC-32 (zlib) of all of it.
+# segment's checksum (kept by the agent) is the XXH3-64 of all of it, computed while the tensors
+# are copied in (_core.copy_and_hash: one pass, so a snapshot costs about one memcpy).
 
 _MEMORY_MAGIC = b"ERMEM\x001\x00"
 _MEMORY_ALIGN = 64
@@ -445,23 +445,23 @@ def _save_to_memory(state_dict: Dict[str, Any], step: int, metadata: Optional[Di
         tensors.append(tensor)
         layout.append([leaf.name, _TORCH_DTYPES[tensor.dtype], list(tensor.shape), end, nbytes, shard])
         end = _aligned(end + nbytes)
+    del flat
     header = json.dumps({"step": step, "rank": rank, "world_size": world, "metadata": text, "tensors": layout},
                         allow_nan=False).encode()
     data_start = _aligned(16 + len(header))
     total = data_start + end
+    pieces = []
+    for tensor, (name, _, _, offset, nbytes, _) in zip(tensors, layout):
+        if nbytes:
+            capsule, as_dtype = _capsule(tensor)
+            pieces.append((name, capsule, as_dtype, data_start + offset))
     try:
         with tier.allocate(step, rank, total) as segment:
             buffer = segment.buffer
             buffer[0:16] = _MEMORY_MAGIC + struct.pack("<Q", len(header))
             buffer[16:16 + len(header)] = header
-            if end:
-                into = torch.frombuffer(buffer, dtype=torch.uint8)
-                for tensor, (_, _, _, offset, nbytes, _) in zip(tensors, layout):
-                    if nbytes:
-                        into[data_start + offset:data_start + offset + nbytes].copy_(
-                            tensor.reshape(-1).view(torch.uint8))
-                del into
-            segment.commit(zlib.crc32(buffer))
+            checksum = _core.copy_and_hash(buffer, pieces)
+            segment.commit(checksum)
     except _memory.MemoryTierError as e:
         raise CheckpointError(f"rank {rank}: memory snapshot of step {step}: {e}") from None
     return SaveInfo(step, "memory", total)
@@ -491,7 +491,7 @@ def _open_from_memory(tier: _memory.MemoryTier, step: int, rank: int, world: int
             buffer = snapshot.buffer
             if len(buffer) < 16 or bytes(buffer[0:8]) != _MEMORY_MAGIC:
                 problems.append(f"the snapshot of rank {r} is not one elastrun.checkpoint wrote")
-            elif zlib.crc32(buffer) != snapshot.checksum:
+            elif _core.xxh3(buffer) != snapshot.checksum:
                 problems.append(f"the snapshot of rank {r} fails its checksum")
             else:
                 (length,) = struct.unpack("<Q", buffer[8:16])

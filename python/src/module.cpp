@@ -13,6 +13,7 @@
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "elastrun/control.hpp"
 #include "python_store.hpp"
+#include "segment_copy.hpp"
 
 namespace py = pybind11;
 using nlohmann::json;
@@ -252,6 +253,38 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("rank", [](const Comm& c) { return c.communicator->rank(); })
       .def_property_readonly("world_size", [](const Comm& c) { return c.communicator->size(); });
 
+  m.def(
+      "copy_and_hash",
+      [](const py::buffer& segment, const py::list& pieces) {
+        // pieces: (name, capsule, dtype or None, offset in the segment)
+        py::buffer_info out = segment.request(true);
+        std::vector<SegmentPiece> copies;
+        for (const auto& item : pieces) {
+          const auto entry = item.cast<py::tuple>();
+          const auto name = entry[0].cast<std::string>();
+          const HostBuffer tensor = capsule_buffer(entry[1], name, dtype_override(entry[2]));
+          copies.push_back(
+              {tensor.data,
+               static_cast<std::size_t>(ckpt::element_count(tensor.shape)) * ckpt::dtype_size(tensor.dtype),
+               entry[3].cast<std::size_t>()});
+        }
+        auto* data = static_cast<std::byte*>(out.ptr);
+        const auto size = static_cast<std::size_t>(out.size * out.itemsize);
+        py::gil_scoped_release release;
+        return copy_and_hash(data, size, std::move(copies));  // std::invalid_argument: ValueError
+      },
+      py::arg("segment"), py::arg("pieces"),
+      "copies each tensor into the writable buffer at its offset; returns the XXH3-64 of the whole buffer");
+  m.def(
+      "xxh3",
+      [](const py::buffer& data) {
+        py::buffer_info in = data.request();
+        const auto* bytes = static_cast<const std::byte*>(in.ptr);
+        const auto size = static_cast<std::size_t>(in.size * in.itemsize);
+        py::gil_scoped_release release;
+        return hash_bytes(bytes, size);
+      },
+      py::arg("data"), "the XXH3-64 of a buffer's bytes (a memory snapshot's checksum)");
   m.def(
       "save",
       [](const std::string& root, std::uint64_t step, const py::list& entries, const std::string& metadata, Comm& comm,

@@ -20,7 +20,7 @@ show_on_failure 60 "$out.log"
 cat "$out.log"
 for f in latest.json report.md; do [[ -s $out/$f ]] || fail "no $out/$f"; done
 compgen -G "$out/*.png" >/dev/null || fail "no chart (*.png) in $out"
-/usr/bin/python3 "$src/bench/check_results.py" "$out/latest.json" --groups storage,ckpt,launcher,testbed,rdzv ||
+/usr/bin/python3 "$src/bench/check_results.py" "$out/latest.json" --groups storage,ckpt,memory,launcher,testbed,rdzv ||
   fail "latest.json does not hold every figure with its anchor (above)"
 shared=$(/usr/bin/python3 -c '
 import json, sys

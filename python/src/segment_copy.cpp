@@ -1,0 +1,54 @@
+#include "segment_copy.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+
+#include <fmt/format.h>
+#include <xxhash.h>
+
+namespace elastrun::python {
+namespace {
+
+constexpr std::size_t kChunkBytes = std::size_t{1} << 20;
+
+struct StateDeleter {
+  void operator()(XXH3_state_t* state) const noexcept { XXH3_freeState(state); }
+};
+
+}  // namespace
+
+std::uint64_t copy_and_hash(std::byte* dst, std::size_t size, std::vector<SegmentPiece> pieces) {
+  std::sort(pieces.begin(), pieces.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+  std::size_t end = 0;
+  for (const auto& p : pieces) {
+    if (p.offset < end || p.bytes > size || p.offset > size - p.bytes)
+      throw std::invalid_argument(
+          fmt::format("memory snapshot: a piece of {} bytes at offset {} overlaps another or ends past the "
+                      "segment's {} bytes",
+                      p.bytes, p.offset, size));
+    end = p.offset + p.bytes;
+  }
+  std::unique_ptr<XXH3_state_t, StateDeleter> state(XXH3_createState());
+  if (!state || XXH3_64bits_reset(state.get()) != XXH_OK) throw std::bad_alloc();
+  std::size_t hashed = 0;
+  const auto hash_up_to = [&](std::size_t upto) {
+    if (upto > hashed) XXH3_64bits_update(state.get(), dst + hashed, upto - hashed);
+    hashed = std::max(hashed, upto);
+  };
+  for (const auto& p : pieces) {
+    for (std::size_t done = 0; done < p.bytes;) {
+      const std::size_t n = std::min(kChunkBytes, p.bytes - done);
+      std::memcpy(dst + p.offset + done, p.data + done, n);
+      done += n;
+      hash_up_to(p.offset + done);
+    }
+  }
+  hash_up_to(size);
+  return XXH3_64bits_digest(state.get());
+}
+
+std::uint64_t hash_bytes(const std::byte* data, std::size_t size) { return XXH3_64bits(data, size); }
+
+}  // namespace elastrun::python
