@@ -370,11 +370,12 @@ def memory_figures(figs, raw, why=None):
     figs.add("memory.snapshot_blocked", "memory", "training blocked per memory snapshot (save(tier=\"memory\"))", "s",
              "lower", raw["snapshot_s"], "memcpy of the shard (touched buffers)", raw["memcpy_warm_s"],
              (">=", 1 / 1.1, "<= 1.1x a memcpy"),
-             f"{size}: the copy into a new segment of the agent and its XXH3 in one pass")
+             f"{size}: the copy into the agent's segment and its XXH3 in one pass; steady state (each snapshot "
+             "reuses the segment retention dropped)")
     figs.add("memory.snapshot_vs_fresh_memcpy", "memory", "the same vs a memcpy into fresh memory", "s", "lower",
              raw["snapshot_s"], "memcpy into fresh memory", raw["memcpy_fresh_s"], None,
-             "a new segment's pages are faulted in and zeroed by the kernel at the first write: the gap to the "
-             "touched-buffer memcpy above is that, not the copy")
+             "what every snapshot would cost if the agent did not reuse segments: fresh pages are faulted in and "
+             "zeroed at the first write")
     figs.add("memory.restore_local", "memory", "restore from this node's agent (load(), memory-local)", "s", "lower",
              raw["restore_s"], "memcpy of the shard (touched buffers)", raw["memcpy_warm_s"],
              (">=", 0.5, ">= 0.5x a memcpy's bandwidth"), f"{size}: two votes, the hash check, the copy")

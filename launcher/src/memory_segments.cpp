@@ -5,18 +5,14 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <set>
 #include <system_error>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
 
 namespace elastrun::launcher {
-
-namespace {
-constexpr unsigned kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL;
-}
 
 std::uint64_t MemorySegments::used_locked() const {
   std::uint64_t total = 0;
@@ -24,32 +20,81 @@ std::uint64_t MemorySegments::used_locked() const {
   return total;
 }
 
-void MemorySegments::drop_locked(const Key& key) { segments_.erase(key); }
+std::uint64_t MemorySegments::spare_locked() const {
+  std::uint64_t total = 0;
+  for (const auto& spare : spares_) total += spare.bytes;
+  return total;
+}
+
+void MemorySegments::drop_locked(const Key& key) {
+  const auto it = segments_.find(key);
+  if (it == segments_.end()) return;
+  spares_.push_back(Spare{std::move(it->second.fd), it->second.bytes, key.rank});
+  segments_.erase(it);
+}
+
+// The spare that needs the fewest new pages to hold `bytes`; among those, one of the same rank (its
+// worker keeps its mappings of its segments: a new mapping costs a fault per page at the first
+// write), then the smallest (what is left over is freed by the resize).
+std::optional<std::size_t> MemorySegments::best_spare_locked(std::uint64_t bytes, int rank) const {
+  const auto order = [&](const Spare& s) {
+    return std::tuple(bytes > s.bytes ? bytes - s.bytes : 0, s.rank != rank, s.bytes);
+  };
+  std::optional<std::size_t> best;
+  for (std::size_t i = 0; i < spares_.size(); ++i)
+    if (!best || order(spares_[i]) < order(spares_[*best])) best = i;
+  return best;
+}
+
+util::UniqueFd MemorySegments::new_segment_locked(std::uint64_t step, int rank, std::uint64_t bytes) {
+  util::UniqueFd fd(::memfd_create(fmt::format("elastrun-mem-{}-{}", step, rank).c_str(), MFD_CLOEXEC));
+  if (!fd) throw std::system_error(errno, std::generic_category(), "memfd_create");
+  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0)
+    throw std::system_error(errno, std::generic_category(), fmt::format("sizing a {}-byte memory segment", bytes));
+  return fd;
+}
 
 util::UniqueFd MemorySegments::allocate(std::uint64_t step, int rank, std::uint64_t bytes) {
   std::lock_guard lock(mutex_);
   const Key key{rank, step};
   drop_locked(key);  // a snapshot of the same step started again (its writer died, or retried)
-  // Room: committed segments of steps older than the node's newest committed step, oldest first
-  // (never the newest: the one a restore needs until the next step is complete everywhere).
-  while (used_locked() + bytes > budget_) {
-    const auto newest = newest_committed_locked();
-    std::optional<Key> oldest;
-    for (const auto& [k, s] : segments_)
-      if (s.committed && newest && k.step < *newest && (!oldest || k.step < oldest->step)) oldest = k;
-    if (!oldest) break;
-    drop_locked(*oldest);
+  // Room: first spares other than the one to reuse, then committed segments of steps older than
+  // the node's newest committed step, oldest first (never the newest: the one a restore needs
+  // until the next step is complete everywhere).
+  const auto held_after = [&](std::optional<std::size_t> reuse) {
+    return used_locked() + spare_locked() - (reuse ? spares_[*reuse].bytes : 0) + bytes;
+  };
+  auto reuse = best_spare_locked(bytes, rank);
+  while (held_after(reuse) > budget_) {
+    if (spares_.size() > (reuse ? 1u : 0u)) {
+      const std::size_t victim = reuse && *reuse == 0 ? 1 : 0;
+      spares_.erase(spares_.begin() + static_cast<std::ptrdiff_t>(victim));
+    } else {
+      const auto newest = newest_committed_locked();
+      std::optional<Key> oldest;
+      for (const auto& [k, s] : segments_)
+        if (s.committed && newest && k.step < *newest && (!oldest || k.step < oldest->step)) oldest = k;
+      if (!oldest) break;
+      drop_locked(*oldest);
+    }
+    reuse = best_spare_locked(bytes, rank);
   }
-  if (used_locked() + bytes > budget_)
+  if (held_after(reuse) > budget_)
     throw MemoryBudgetError(fmt::format(
         "the memory checkpoint budget ({} bytes, --memory-checkpoints) cannot hold step {} of rank {} ({} bytes; {} "
         "in use): give the agent a larger budget",
         budget_, step, rank, bytes, used_locked()));
-  util::UniqueFd fd(
-      ::memfd_create(fmt::format("elastrun-mem-{}-{}", step, rank).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
-  if (!fd) throw std::system_error(errno, std::generic_category(), "memfd_create");
-  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0)
-    throw std::system_error(errno, std::generic_category(), fmt::format("sizing a {}-byte memory segment", bytes));
+  util::UniqueFd fd;
+  if (reuse) {
+    fd = std::move(spares_[*reuse].fd);
+    const bool resize = spares_[*reuse].bytes != bytes;
+    spares_.erase(spares_.begin() + static_cast<std::ptrdiff_t>(*reuse));
+    if (resize && ::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0)
+      throw std::system_error(errno, std::generic_category(),
+                              fmt::format("resizing a memory segment to {} bytes", bytes));
+  } else {
+    fd = new_segment_locked(step, rank, bytes);
+  }
   util::UniqueFd copy(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
   if (!copy) throw std::system_error(errno, std::generic_category(), "dup");
   segments_[key] = Segment{std::move(fd), bytes, 0, false};
@@ -73,11 +118,6 @@ void MemorySegments::commit(std::uint64_t step, int rank, std::uint64_t checksum
         fmt::format("no memory segment of step {} rank {} to commit (mem_alloc first)", step, rank));
   auto& segment = it->second;
   if (!segment.committed) {
-    if (::fcntl(segment.fd.get(), F_ADD_SEALS, kSeals) != 0)
-      throw std::invalid_argument(
-          errno == EBUSY
-              ? fmt::format("step {} of rank {} is still mapped writable: unmap it before mem_commit", step, rank)
-              : fmt::format("sealing step {} of rank {}: {}", step, rank, std::strerror(errno)));
     segment.committed = true;
     segment.checksum = checksum;
   }
@@ -111,9 +151,10 @@ std::optional<MemorySegments::Found> MemorySegments::find(int rank, std::optiona
     best_step = k.step;
   }
   if (best == nullptr) return std::nullopt;
-  util::UniqueFd copy(::fcntl(best->fd.get(), F_DUPFD_CLOEXEC, 0));
-  if (!copy) throw std::system_error(errno, std::generic_category(), "dup");
-  return Found{best_step, best->bytes, best->checksum, std::move(copy)};
+  // its own open file, read-only: whoever restores can neither write nor map it writable-shared
+  util::UniqueFd reader(::open(fmt::format("/proc/self/fd/{}", best->fd.get()).c_str(), O_RDONLY | O_CLOEXEC));
+  if (!reader) throw std::system_error(errno, std::generic_category(), "reopening a memory segment read-only");
+  return Found{best_step, best->bytes, best->checksum, std::move(reader)};
 }
 
 std::uint64_t MemorySegments::used() const {
@@ -121,12 +162,17 @@ std::uint64_t MemorySegments::used() const {
   return used_locked();
 }
 
+std::uint64_t MemorySegments::spare() const {
+  std::lock_guard lock(mutex_);
+  return spare_locked();
+}
+
 nlohmann::json MemorySegments::list() const {
   std::lock_guard lock(mutex_);
   nlohmann::json segments = nlohmann::json::array();
   for (const auto& [k, s] : segments_)
     segments.push_back({{"step", k.step}, {"rank", k.rank}, {"bytes", s.bytes}, {"committed", s.committed}});
-  return {{"budget", budget_}, {"used", used_locked()}, {"segments", std::move(segments)}};
+  return {{"budget", budget_}, {"used", used_locked()}, {"spare", spare_locked()}, {"segments", std::move(segments)}};
 }
 
 }  // namespace elastrun::launcher

@@ -1,9 +1,13 @@
 // The memory checkpoint tier's segments, held by the node runtime for the whole job (docs/
-// launcher.md, "Memory checkpoints"). Each is a memfd this agent creates for one (step, rank):
-// handed to the worker to fill (mem_alloc), sealed against writes and resizing once complete
-// (mem_commit), handed out read-only to whoever restores (mem_get). A memfd lives in no
-// filesystem: it goes with the last descriptor, so with the agent (its exit or kill -9) and the
-// workers that still map it. The budget (--memory-checkpoints=BYTES) bounds the sum of segments.
+// launcher.md, "Memory checkpoints"). Each is a memfd this agent holds for one (step, rank):
+// handed to the worker to fill (mem_alloc), marked complete (mem_commit), handed out through a
+// read-only descriptor to whoever restores (mem_get). A dropped segment is kept as a spare and
+// handed to the next mem_alloc: a fresh page costs a fault and the kernel's zeroing at its first
+// write -- 40x the copy itself on a virtual machine -- so a snapshot every step writes into the
+// pages of the one dropped before it (which is why segments are not sealed: a seal is forever).
+// A memfd lives in no filesystem: it goes with the last descriptor, so with the agent (its exit
+// or kill -9) and the workers that still map it. The budget (--memory-checkpoints=BYTES) bounds
+// the sum of segments and spares.
 //
 // Thread-safe: the endpoint's thread serves workers; the state machine may read.
 #pragma once
@@ -15,6 +19,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -36,20 +41,23 @@ class MemorySegments {
 
   explicit MemorySegments(std::uint64_t budget_bytes) : budget_(budget_bytes) {}
 
-  // A new writable segment of `bytes` for (step, rank), replacing an uncommitted one of the same
-  // key; committed steps older than the node's newest make room if needed (never the newest). Returns a
+  // A writable segment of `bytes` for (step, rank), replacing an uncommitted one of the same key:
+  // the spare that needs the fewest new pages (the same rank's first: its worker may still map it),
+  // resized, else a new memfd. Spares, then committed
+  // steps older than the node's newest (never the newest), make room if needed. Returns a
   // descriptor of it for the caller to pass on. Throws MemoryBudgetError when the budget cannot
-  // hold it, std::system_error when memfd_create fails.
+  // hold it, std::system_error when memfd_create or resizing fails.
   util::UniqueFd allocate(std::uint64_t step, int rank, std::uint64_t bytes);
 
-  // Seals (step, rank) against writes and resizing and records its checksum; drops committed
+  // Marks (step, rank) complete with its checksum (the writer has unmapped it: the protocol; a
+  // write after this is caught by the checksum, checked before any restore); drops committed
   // steps beyond the kKeepSteps newest (any rank) and this rank's uncommitted older ones. Throws
-  // std::invalid_argument for an unknown segment or one still mapped writable somewhere.
+  // std::invalid_argument for an unknown segment.
   void commit(std::uint64_t step, int rank, std::uint64_t checksum);
 
   struct Found {
     std::uint64_t step = 0, bytes = 0, checksum = 0;
-    util::UniqueFd fd;  // a new descriptor of the sealed segment
+    util::UniqueFd fd;  // a new read-only descriptor of the segment (its own open file: O_RDONLY)
   };
   // The committed segment of (step, rank), or the rank's newest committed one without a step.
   std::optional<Found> find(int rank, std::optional<std::uint64_t> step = std::nullopt) const;
@@ -60,8 +68,10 @@ class MemorySegments {
   std::size_t forget_after(std::uint64_t after_step);
 
   std::uint64_t budget() const { return budget_; }
-  std::uint64_t used() const;
-  nlohmann::json list() const;  // {"budget","used","segments":[{"step","rank","bytes","committed"}]}
+  std::uint64_t used() const;   // bytes of segments
+  std::uint64_t spare() const;  // bytes of spares (within the budget too)
+  // {"budget","used","spare","segments":[{"step","rank","bytes","committed"}]}
+  nlohmann::json list() const;
 
  private:
   struct Key {
@@ -74,13 +84,22 @@ class MemorySegments {
     std::uint64_t bytes = 0, checksum = 0;
     bool committed = false;
   };
+  struct Spare {
+    util::UniqueFd fd;
+    std::uint64_t bytes = 0;
+    int rank = 0;  // whose it was: that rank's worker may still map it (a mapping reused, not a new one)
+  };
   std::uint64_t used_locked() const;
+  std::uint64_t spare_locked() const;
   std::optional<std::uint64_t> newest_committed_locked() const;
-  void drop_locked(const Key& key);
+  std::optional<std::size_t> best_spare_locked(std::uint64_t bytes, int rank) const;
+  void drop_locked(const Key& key);  // the segment becomes a spare
+  util::UniqueFd new_segment_locked(std::uint64_t step, int rank, std::uint64_t bytes);
 
   const std::uint64_t budget_;
   mutable std::mutex mutex_;
   std::map<Key, Segment> segments_;  // by rank, then step: a rank's steps are neighbours, oldest first
+  std::vector<Spare> spares_;        // dropped segments, oldest first
 };
 
 }  // namespace elastrun::launcher

@@ -381,11 +381,11 @@ def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, miss
         if tier is not None:
             info = _restore_from_memory(state_dict, ckpt_dir if have_dir else None, tier, comm)
             if info is not None:
-                _forget_after(tier, info.step)
+                _forget_after(tier, info.step, comm)
                 return info
         result = _core.restore(ckpt_dir, comm, targets_for, verify) if have_dir else None
-    if tier is not None:
-        _forget_after(tier, 0 if result is None else result["step"])
+        if tier is not None:
+            _forget_after(tier, 0 if result is None else result["step"], comm)
     if result is None:
         return None
     plan = plans[0]
@@ -488,14 +488,14 @@ def _open_from_memory(tier: _memory.MemoryTier, step: int, rank: int, world: int
         if snapshot is None:
             continue
         try:
-            buffer = snapshot.buffer
-            if len(buffer) < 16 or bytes(buffer[0:8]) != _MEMORY_MAGIC:
+            start = snapshot.read(0, 16)
+            if len(start) < 16 or start[0:8] != _MEMORY_MAGIC:
                 problems.append(f"the snapshot of rank {r} is not one elastrun.checkpoint wrote")
-            elif _core.xxh3(buffer) != snapshot.checksum:
+            elif _core.xxh3_fd(snapshot.fd, snapshot.nbytes) != snapshot.checksum:
                 problems.append(f"the snapshot of rank {r} fails its checksum")
             else:
-                (length,) = struct.unpack("<Q", buffer[8:16])
-                header = json.loads(bytes(buffer[16:16 + length]))
+                (length,) = struct.unpack("<Q", start[8:16])
+                header = json.loads(snapshot.read(16, length))
                 header["data_start"] = _aligned(16 + length)
                 sharded = any(entry[5] is not None for entry in header["tensors"])
                 if not sharded or (r == rank and header["world_size"] == world):
@@ -525,15 +525,25 @@ def _plan_from_memory(state_dict: Dict[str, Any], header: dict) -> _Plan:
 
 
 def _copy_from_memory(plan: _Plan, snapshot: Any, header: dict, state_dict: Dict[str, Any]) -> None:
+    # pread straight into the targets (a new mapping of the segment would pay a fault per page);
+    # a target that is not a contiguous host tensor is read into a temporary, then copied
     by_name = {entry[0]: entry for entry in header["tensors"]}
     start = header["data_start"]
+    reads, copies = [], []
     for name, into, _ in plan.targets:
         at, nbytes = by_name[name][3], by_name[name][4]
-        if nbytes:
-            source = torch.frombuffer(snapshot.buffer, dtype=torch.uint8, count=nbytes, offset=start + at)
-            with torch.no_grad():
-                into.reshape(-1).view(torch.uint8).copy_(source)
-            del source
+        if not nbytes:
+            continue
+        direct = into.device.type == "cpu" and into.is_contiguous()
+        target = into.detach() if direct else torch.empty(into.shape, dtype=into.dtype)
+        capsule, as_dtype = _capsule(target)
+        reads.append((name, capsule, as_dtype, start + at))
+        if not direct:
+            copies.append((into, target))
+    _core.read_into(snapshot.fd, reads)
+    with torch.no_grad():
+        for into, target in copies:
+            into.copy_(target)
     plan.finish(state_dict)
 
 
@@ -583,11 +593,14 @@ def _allgather(comm: Any, value: Dict[str, Any]) -> List[bytes]:
     return comm.allgather(json.dumps(value).encode())
 
 
-def _forget_after(tier: _memory.MemoryTier, step: int) -> None:
+def _forget_after(tier: _memory.MemoryTier, step: int, comm: Any) -> None:
     try:
         tier.forget_after(step)
     except (OSError, _memory.MemoryTierError) as e:
         print(f"elastrun.checkpoint: dropping memory snapshots after step {step}: {e}", file=sys.stderr, flush=True)
+    # Every rank's drop happens before any rank's next snapshot: without this, a fast rank's
+    # snapshot of step+1 could be dropped by a slower rank's forget_after (a race seen in tests).
+    _allgather(comm, {})
 
 
 # ---- async ----------------------------------------------------------------------------------------

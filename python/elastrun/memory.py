@@ -12,11 +12,45 @@ allocate()/open() do the same without the intermediate bytes (elastrun.checkpoin
 save(..., tier="memory") writes the tensors straight into the segment, load() reads them from it).
 """
 
+import collections
 import mmap
 import os
 from typing import Optional, Tuple
 
 from . import _contract, node
+
+
+# This process's writable mappings of segments, by (device, inode), newest last. The agent hands a
+# rank the segment retention dropped from it (its "spare"), so a snapshot every step cycles through
+# three segments; writing through a mapping made before is about one memcpy, while a new mapping
+# pays a fault per page at its first write (10x the copy on a VM). Bounded: a mapping keeps its
+# segment's memory alive after the agent frees it.
+_WRITABLE_MAPPINGS: "collections.OrderedDict[Tuple[int, int], mmap.mmap]" = collections.OrderedDict()
+_KEEP_MAPPINGS = 4
+
+
+def _close_quietly(mapping: mmap.mmap) -> None:
+    try:
+        mapping.close()
+    except BufferError:  # a view of it is still held somewhere: it goes when that does
+        pass
+
+
+def _writable_mapping(fd: int, nbytes: int) -> mmap.mmap:
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    mapping = _WRITABLE_MAPPINGS.pop(key, None)
+    if mapping is not None and (mapping.closed or len(mapping) != nbytes):
+        _close_quietly(mapping)
+        mapping = None
+    if mapping is None:
+        # MAP_POPULATE: its pages are mapped in one call, not a fault per page during the copy
+        mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                            mmap.PROT_READ | mmap.PROT_WRITE)
+    _WRITABLE_MAPPINGS[key] = mapping
+    while len(_WRITABLE_MAPPINGS) > _KEEP_MAPPINGS:
+        _close_quietly(_WRITABLE_MAPPINGS.popitem(last=False)[1])
+    return mapping
 
 
 class MemoryTierError(RuntimeError):
@@ -39,7 +73,7 @@ class MemoryTier:
 
     def allocate(self, step: int, rank: int, nbytes: int) -> "Segment":
         """A new writable segment of `nbytes` for (step, rank): fill ``segment.buffer``, then
-        ``segment.commit(checksum)`` (the agent seals it). Writing straight into it is the one copy."""
+        ``segment.commit(checksum)`` (the agent keeps it). Writing straight into it is the one copy."""
         _, fd = self._ask(_contract.NODE_OP_MEM_ALLOC, step=step, rank=rank, bytes=nbytes)
         if fd is None:
             raise MemoryTierError("memory checkpoint tier: the agent's reply carried no segment")
@@ -54,9 +88,9 @@ class MemoryTier:
             segment.commit(checksum)
 
     def open(self, rank: int, step: Optional[int] = None) -> Optional["Snapshot"]:
-        """The newest (or the given) committed snapshot of `rank` as a private copy-on-write
-        mapping (no copy until read; writes to it stay in this process); None when the agent holds
-        none. Close it (or use ``with``) when done."""
+        """The newest (or the given) committed snapshot of `rank`, opened read-only: ``read()``
+        (pread: no mapping) or ``buffer`` (mapped on first use); None when the agent holds none.
+        Close it (or use ``with``) when done."""
         fields = {"rank": rank} if step is None else {"rank": rank, "step": step}
         reply, fd = node.request(_contract.NODE_OP_MEM_GET, self.address, **fields)
         if not reply.get("ok"):
@@ -65,12 +99,7 @@ class MemoryTier:
             return None
         if fd is None:
             raise MemoryTierError("memory checkpoint tier: the agent's reply carried no segment")
-        try:
-            size = int(reply["bytes"])
-            mapping = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
-        finally:
-            os.close(fd)
-        return Snapshot(int(reply["step"]), rank, int(reply.get("checksum", 0)), size, mapping)
+        return Snapshot(int(reply["step"]), rank, int(reply.get("checksum", 0)), int(reply["bytes"]), fd)
 
     def get(self, rank: int, step: Optional[int] = None) -> Optional[Tuple[int, bytes, int]]:
         """(step, payload, checksum) of the newest (or the given) committed snapshot of `rank`; None
@@ -97,19 +126,19 @@ class Segment:
     def __init__(self, tier: MemoryTier, step: int, rank: int, fd: int, nbytes: int):
         self.tier, self.step, self.rank, self.nbytes = tier, step, rank, nbytes
         try:
-            self._mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) if nbytes else None
+            self._mapping = _writable_mapping(fd, nbytes) if nbytes else None
         finally:
             os.close(fd)
         self.buffer = memoryview(self._mapping) if self._mapping is not None else memoryview(b"")
 
     def _unmap(self) -> None:
+        # the view goes; the mapping stays in this process's cache for the next snapshot into the
+        # same segment (nothing writes through it before the agent hands the segment out again)
         self.buffer.release()  # raises BufferError while a caller still holds a view into it
-        if self._mapping is not None:
-            self._mapping.close()
-            self._mapping = None
+        self._mapping = None
 
     def commit(self, checksum: int = 0) -> None:
-        """Unmaps it (the agent refuses to seal a segment mapped writable) and commits it."""
+        """Releases its buffer (nothing writes into a committed snapshot) and commits it."""
         self._unmap()
         self.tier._ask(_contract.NODE_OP_MEM_COMMIT, step=self.step, rank=self.rank, checksum=checksum)
 
@@ -122,18 +151,39 @@ class Segment:
 
 
 class Snapshot:
-    """A committed snapshot opened for reading (MemoryTier.open)."""
+    """A committed snapshot opened for reading (MemoryTier.open): ``fd`` is a read-only descriptor
+    of it (this object closes it)."""
 
-    def __init__(self, step: int, rank: int, checksum: int, nbytes: int, mapping):
-        self.step, self.rank, self.checksum, self.nbytes = step, rank, checksum, nbytes
-        self._mapping = mapping
-        self.buffer = memoryview(mapping) if mapping is not None else memoryview(b"")
+    def __init__(self, step: int, rank: int, checksum: int, nbytes: int, fd: int):
+        self.step, self.rank, self.checksum, self.nbytes, self.fd = step, rank, checksum, nbytes, fd
+        self._mapping: Optional[mmap.mmap] = None
+        self._buffer: Optional[memoryview] = None
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """`nbytes` from `offset` (fewer at the end of the snapshot)."""
+        return os.pread(self.fd, nbytes, offset)
+
+    @property
+    def buffer(self) -> memoryview:
+        """The whole snapshot as a read-only view, mapped on first use (its pages in one call:
+        MAP_POPULATE)."""
+        if self._buffer is None:
+            if self.nbytes:
+                self._mapping = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                          mmap.PROT_READ)
+            self._buffer = memoryview(self._mapping) if self._mapping is not None else memoryview(b"")
+        return self._buffer
 
     def close(self) -> None:
-        self.buffer.release()
+        if self._buffer is not None:
+            self._buffer.release()
+            self._buffer = None
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def __enter__(self) -> "Snapshot":
         return self

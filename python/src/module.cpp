@@ -286,6 +286,30 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("data"), "the XXH3-64 of a buffer's bytes (a memory snapshot's checksum)");
   m.def(
+      "xxh3_fd",
+      [](int fd, std::size_t size) {
+        py::gil_scoped_release release;
+        return hash_fd(fd, size);
+      },
+      py::arg("fd"), py::arg("size"), "the XXH3-64 of the first `size` bytes of a descriptor, read with pread");
+  m.def(
+      "read_into",
+      [](int fd, const py::list& pieces) {
+        // pieces: (name, capsule of a contiguous host tensor to fill, dtype or None, offset in the segment)
+        std::vector<SegmentRead> reads;
+        for (const auto& item : pieces) {
+          const auto entry = item.cast<py::tuple>();
+          const auto name = entry[0].cast<std::string>();
+          const HostBuffer tensor = capsule_buffer(entry[1], name, dtype_override(entry[2]));
+          reads.push_back({tensor.data,
+                           static_cast<std::size_t>(ckpt::element_count(tensor.shape)) * ckpt::dtype_size(tensor.dtype),
+                           entry[3].cast<std::size_t>()});
+        }
+        py::gil_scoped_release release;
+        read_pieces(fd, reads);
+      },
+      py::arg("fd"), py::arg("pieces"), "reads each piece of a memory snapshot's descriptor into its tensor");
+  m.def(
       "save",
       [](const std::string& root, std::uint64_t step, const py::list& entries, const std::string& metadata, Comm& comm,
          const py::dict& options) {

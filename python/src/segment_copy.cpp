@@ -4,6 +4,12 @@
 #include <cstring>
 #include <memory>
 #include <stdexcept>
+#include <system_error>
+#include <vector>
+
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <fmt/format.h>
 #include <xxhash.h>
@@ -50,5 +56,38 @@ std::uint64_t copy_and_hash(std::byte* dst, std::size_t size, std::vector<Segmen
 }
 
 std::uint64_t hash_bytes(const std::byte* data, std::size_t size) { return XXH3_64bits(data, size); }
+
+namespace {
+
+void read_exactly(int fd, std::byte* into, std::size_t bytes, std::size_t offset) {
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd, into, bytes, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw std::system_error(errno, std::generic_category(), "reading a memory snapshot");
+    if (n == 0)
+      throw std::system_error(EIO, std::generic_category(),
+                              fmt::format("reading a memory snapshot: it ends before byte {}", offset));
+    into += n, bytes -= static_cast<std::size_t>(n), offset += static_cast<std::size_t>(n);
+  }
+}
+
+}  // namespace
+
+std::uint64_t hash_fd(int fd, std::size_t size) {
+  std::unique_ptr<XXH3_state_t, StateDeleter> state(XXH3_createState());
+  if (!state || XXH3_64bits_reset(state.get()) != XXH_OK) throw std::bad_alloc();
+  std::vector<std::byte> chunk(std::min(kChunkBytes, size));
+  for (std::size_t done = 0; done < size;) {
+    const std::size_t n = std::min(chunk.size(), size - done);
+    read_exactly(fd, chunk.data(), n, done);
+    XXH3_64bits_update(state.get(), chunk.data(), n);
+    done += n;
+  }
+  return XXH3_64bits_digest(state.get());
+}
+
+void read_pieces(int fd, const std::vector<SegmentRead>& pieces) {
+  for (const auto& p : pieces) read_exactly(fd, p.into, p.bytes, p.offset);
+}
 
 }  // namespace elastrun::python

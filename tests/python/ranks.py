@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import elastrun.checkpoint as ec
+import elastrun.memory
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -202,6 +203,31 @@ def scenario_memory(ckpt_dir):
     ec.save(state, ckpt_dir, 8, metadata={"next_sample": 256}, tier="memory")
     info = ec.load(fresh_state()[3], ckpt_dir)
     assert (info.step, info.source, info.metadata) == (8, "memory-local", {"next_sample": 256}), info
+    # a target that is not contiguous (read into a temporary, then copied)
+    saved = {"t": torch.arange(12.0).reshape(3, 4).t()}
+    ec.save(saved, ckpt_dir, 9, tier="memory")
+    into = {"t": torch.zeros(3, 4).t()}
+    info = ec.load(into, ckpt_dir)
+    assert (info.step, info.source) == (9, "memory-local") and torch.equal(into["t"], saved["t"]), (info, into)
+    # a snapshot changed after its commit (here through the writer's cached writable mapping: a
+    # writer that broke the protocol) fails its checksum: rank 0 restores this replicated state
+    # from rank 1's snapshot; once rank 1's is changed too, every rank restores from the file tier
+    ec.save(saved, ckpt_dir, 10)
+    ec.save({"t": saved["t"] * 2}, ckpt_dir, 11, tier="memory")
+
+    def corrupt(rank):
+        if RANK == rank:
+            mapping = next(reversed(elastrun.memory._WRITABLE_MAPPINGS.values()))
+            mapping[len(mapping) - 1] ^= 0xFF
+        dist.barrier()
+
+    corrupt(0)
+    into = {"t": torch.zeros(3, 4).t()}
+    info = ec.load(into, ckpt_dir)
+    assert (info.step, info.source) == (11, "memory-local") and torch.equal(into["t"], saved["t"] * 2), (info, into)
+    corrupt(1)
+    info = ec.load(into, ckpt_dir)
+    assert (info.step, info.source) == (10, "file") and torch.equal(into["t"], saved["t"]), (info, into)
     log("memory tier ok")
 
 

@@ -149,10 +149,9 @@ inline constexpr std::string_view kMemAlloc =
     "mem_alloc";  // a new memory checkpoint segment of `bytes` for (step, rank); the reply carries its descriptor (a
                   // memfd the agent owns), writable until mem_commit
 inline constexpr std::string_view kMemCommit =
-    "mem_commit";  // the segment is complete: the agent seals it (no write, no resize) and keeps it; refused while a
-                   // writable mapping exists
+    "mem_commit";  // the segment is complete (the writer has unmapped it): the agent keeps it with its checksum
 inline constexpr std::string_view kMemGet = "mem_get";  // the newest (or the given) committed segment of `rank`: step,
-                                                        // bytes, checksum, and its descriptor (sealed, read-only)
+                                                        // bytes, checksum, and a read-only descriptor of it
 inline constexpr std::string_view kMemList =
     "mem_list";  // the budget, the bytes in use and every segment (step, rank, bytes, committed)
 inline constexpr std::string_view kMemForget =

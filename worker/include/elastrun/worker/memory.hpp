@@ -7,7 +7,7 @@
 //   if (tier.enabled()) {
 //     auto segment = tier.allocate(step, rank, bytes);  // a writable mapping
 //     std::memcpy(segment.data(), state, bytes);
-//     tier.commit(std::move(segment), checksum);        // unmapped; the agent seals it
+//     tier.commit(std::move(segment), checksum);        // unmapped; the agent keeps it
 //   }
 //   if (auto s = tier.newest(rank)) use(s->step(), s->data(), s->size(), s->checksum());  // read-only
 #pragma once
@@ -85,7 +85,7 @@ class MemoryTier {
     return map(reply, step, rank, size, 0, PROT_READ | PROT_WRITE);
   }
 
-  // Unmaps `segment` and tells the agent it is complete (the agent seals it against writes).
+  // Unmaps `segment` and tells the agent it is complete (nothing writes into it after this).
   void commit(MemorySegment segment, std::uint64_t checksum) {
     const auto step = segment.step();
     const int rank = segment.rank();
@@ -126,7 +126,9 @@ class MemoryTier {
     if (!reply.fd) throw std::runtime_error("memory checkpoint tier: the agent's reply carried no segment");
     void* data = nullptr;
     if (size > 0) {
-      data = ::mmap(nullptr, size, protection, MAP_SHARED, reply.fd.get(), 0);
+      // MAP_POPULATE: the pages (a reused segment's, mostly) are mapped in one call instead of a
+      // fault per page during the copy
+      data = ::mmap(nullptr, size, protection, MAP_SHARED | MAP_POPULATE, reply.fd.get(), 0);
       if (data == MAP_FAILED)
         throw std::runtime_error(std::string("memory checkpoint tier: mmap: ") + std::strerror(errno));
     }
