@@ -9,7 +9,7 @@ Outputs, in --out (default bench/results; --quick: build/bench-results):
     report.md     method, machine, the table, what each figure means; charts *.png beside it
 and a table on the terminal. Never asserts a timing: figures are reported, goals marked met or not.
 
-Groups (--only, comma-separated): storage, ckpt, launcher, rdzv. The checkpoint and storage figures
+Groups (--only, comma-separated): storage, ckpt, memory, launcher, testbed, rdzv. The checkpoint and storage figures
 are measured on the local disk (--dir, default /tmp) and, where this machine can give one, on a
 GlusterFS volume of a private testbed (tests/cluster/testbed up 1 --shared-fs; --no-shared-fs
 skips it), each against the same volume's storage limit.
