@@ -8,16 +8,18 @@ tier="memory") against the anchors issue #27 names, measured in the same run. Ne
 One standalone agent with --memory-checkpoints and NPROCS workers (gloo); every rank holds
 MIB_PER_RANK of float32 tensors (16 of them). Per repetition, all ranks at once (a barrier before
 each measurement; the figure is the slowest rank's, since a step waits for it):
-  (a) training blocked by save(state, ..., tier="memory") -- the copy into the agent's segment and
-      its hash in one pass -- in the steady state of a snapshot per step (each into the pages of
-      the segment retention dropped), vs a memcpy of the same tensors into buffers allocated and
-      touched before (the issue's anchor), and vs a memcpy into fresh memory (what every snapshot
-      would cost if the agent did not reuse segments: a fault and zeroing per page);
+  (a) training blocked by AsyncSaver.save(state, step, tier="memory") -- the copy into the agent's
+      segment; its thread hashes and commits it after -- and by save(..., tier="memory") (copy and
+      hash in one pass, committed on return), in the steady state of a snapshot per step (each
+      into the pages of the segment retention dropped), vs a memcpy of the same tensors into
+      buffers allocated and touched before (the issue's anchor), and vs a memcpy into fresh memory
+      (what every snapshot would cost if the agent did not reuse segments: a fault and zeroing
+      per page);
   (b) load() from the agent's memory (two votes, the hash check, the copy into the state_dict)
       vs the same memcpy;
-  (c) a CPU-bound loop (matrix products, ~1 s per step, a barrier per step) with a snapshot of
-      TRAIN_MIB per rank after every step vs the same loop without snapshots, in alternating
-      blocks: the slowdown.
+  (c) a CPU-bound loop (matrix products, ~1 s per step, a barrier per step) with an AsyncSaver
+      memory snapshot of TRAIN_MIB per rank after every step vs the same loop without snapshots,
+      in alternating blocks: the slowdown.
 Replication to a partner node is not built yet: nothing of it is measured here.
 """
 import argparse
@@ -79,18 +81,26 @@ def worker(args):
                 d.copy_(t)
 
         step = [0]
+        saver = ec.AsyncSaver(ckpt)
 
         def snapshot():
             step[0] += 1
             ec.save(state, ckpt, step[0], tier="memory")
 
-        rows = {"memcpy_warm_s": [], "memcpy_fresh_s": [], "snapshot_s": [], "restore_s": []}
+        def snapshot_async():
+            step[0] += 1
+            saver.save(state, step[0], tier="memory")
+
+        rows = {"memcpy_warm_s": [], "memcpy_fresh_s": [], "snapshot_s": [], "snapshot_async_s": [],
+                "commit_after_s": [], "restore_s": []}
         for _ in range(3):  # not timed: the job's first snapshots write fresh pages; from the third on,
             snapshot()      # each reuses the segment retention dropped (the steady state of a snapshot per step)
         for _ in range(args.reps):
             rows["memcpy_warm_s"].append(timed(memcpy_warm))
             rows["memcpy_fresh_s"].append(timed(memcpy_fresh))
             rows["snapshot_s"].append(timed(snapshot))
+            rows["snapshot_async_s"].append(timed(snapshot_async))
+            rows["commit_after_s"].append(timed(saver.wait))
         into = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
         for _ in range(args.reps):
             info = [None]
@@ -125,13 +135,14 @@ def worker(args):
             for _ in range(args.train_steps // 2):
                 def one_step():
                     compute()
-                    if kind == "snapshot":
+                    if kind == "snapshot":  # AsyncSaver: the commit overlaps the next step's compute
                         step[0] += 1
-                        ec.save(train, ckpt, step[0], tier="memory")
+                        saver.save(train, step[0], tier="memory")
                 steps[kind].append(timed(one_step))
         result["train_step_plain_s"] = steps["plain"]
         result["train_step_snapshot_s"] = steps["snapshot"]
         result["train_products_per_step"] = products[0]
+        saver.close()
     if rank == 0:
         with open(os.path.join(args.out, "result.json.tmp"), "w") as f:
             json.dump(result, f)
@@ -183,7 +194,8 @@ def main():
     if "error" in result:
         print(f"[memory_bench] error: {result['error']}", file=sys.stderr)
     else:
-        print(f"snapshot blocked {med(result['snapshot_s']):.4f} s; memcpy warm {med(result['memcpy_warm_s']):.4f} s, "
+        print(f"snapshot blocked {med(result['snapshot_async_s']):.4f} s (AsyncSaver; commit after "
+              f"{med(result['commit_after_s']):.4f} s), {med(result['snapshot_s']):.4f} s (save); memcpy warm {med(result['memcpy_warm_s']):.4f} s, "
               f"fresh {med(result['memcpy_fresh_s']):.4f} s; restore {med(result['restore_s']):.4f} s; "
               f"train step {med(result['train_step_plain_s']):.3f} s plain, "
               f"{med(result['train_step_snapshot_s']):.3f} s with a snapshot")

@@ -367,13 +367,17 @@ def memory_figures(figs, raw, why=None):
                  "memcpy of the shard", [], why=why or (raw or {}).get("error", "not run"))
         return
     size = f"{raw['nprocs']} ranks x {raw['mib_per_rank']} MiB, all at once; the slowest rank"
-    figs.add("memory.snapshot_blocked", "memory", "training blocked per memory snapshot (save(tier=\"memory\"))", "s",
-             "lower", raw["snapshot_s"], "memcpy of the shard (touched buffers)", raw["memcpy_warm_s"],
+    figs.add("memory.snapshot_blocked", "memory",
+             "training blocked per memory snapshot (AsyncSaver.save(tier=\"memory\"))", "s", "lower",
+             raw.get("snapshot_async_s", []), "memcpy of the shard (touched buffers)", raw["memcpy_warm_s"],
              (">=", 1 / 1.1, "<= 1.1x a memcpy"),
-             f"{size}: the copy into the agent's segment and its XXH3 in one pass; steady state (each snapshot "
-             "reuses the segment retention dropped)")
-    figs.add("memory.snapshot_vs_fresh_memcpy", "memory", "the same vs a memcpy into fresh memory", "s", "lower",
-             raw["snapshot_s"], "memcpy into fresh memory", raw["memcpy_fresh_s"], None,
+             f"{size}: the copy into the agent's segment (its XXH3 and the commit follow on the saver's thread, "
+             "while training runs); steady state (each snapshot reuses the segment retention dropped)")
+    figs.add("memory.snapshot_sync", "memory", "the same with save(tier=\"memory\") (committed on return)", "s",
+             "lower", raw["snapshot_s"], "memcpy of the shard (touched buffers)", raw["memcpy_warm_s"], None,
+             "the copy and its XXH3 in one pass, then the commit: the hash costs about one more memcpy")
+    figs.add("memory.snapshot_vs_fresh_memcpy", "memory", "AsyncSaver's snapshot vs a memcpy into fresh memory", "s",
+             "lower", raw.get("snapshot_async_s", []), "memcpy into fresh memory", raw["memcpy_fresh_s"], None,
              "what every snapshot would cost if the agent did not reuse segments: fresh pages are faulted in and "
              "zeroed at the first write")
     figs.add("memory.restore_local", "memory", "restore from this node's agent (load(), memory-local)", "s", "lower",
@@ -381,7 +385,8 @@ def memory_figures(figs, raw, why=None):
              (">=", 0.5, ">= 0.5x a memcpy's bandwidth"), f"{size}: two votes, the hash check, the copy")
     plain, snap = raw.get("train_step_plain_s", []), raw.get("train_step_snapshot_s", [])
     figs.add("memory.train_slowdown", "memory",
-             f"CPU-bound training step with a {raw['train_mib']} MiB snapshot per rank after every step", "s", "lower",
+             f"CPU-bound training step with a {raw['train_mib']} MiB AsyncSaver memory snapshot per rank after every "
+             "step", "s", "lower",
              snap, "the same steps without snapshots", plain, (">=", 1 / 1.05, "<= 5 % slower"),
              f"{raw['nprocs']} ranks, matrix products (~1 s per step), alternating blocks; replication to a partner "
              "node is not built yet (no CPU seconds of it to report)")

@@ -31,6 +31,7 @@ import json
 import os
 import struct
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -429,7 +430,27 @@ def _votes_without_dir() -> bool:
     return (dist is not None and dist.is_initialized()) or _comm.rank_and_world()[1] == 1
 
 
-def _save_to_memory(state_dict: Dict[str, Any], step: int, metadata: Optional[Dict[str, Any]]) -> SaveInfo:
+class _MemoryCommit:
+    """A memory snapshot copied into its segment, not yet committed: finish() hashes the segment
+    (XXH3-64, without the GIL) and commits it. AsyncSaver runs it on a thread, so that training is
+    blocked only for the copy."""
+
+    def __init__(self, segment: "_memory.Segment", rank: int, total: int):
+        self.segment, self.rank, self.total = segment, rank, total
+
+    def finish(self) -> SaveInfo:
+        segment = self.segment
+        try:
+            with segment:
+                segment.commit(_core.xxh3(segment.buffer))
+        except _memory.MemoryTierError as e:
+            raise CheckpointError(f"rank {self.rank}: memory snapshot of step {segment.step}: {e}") from None
+        return SaveInfo(segment.step, "memory", self.total)
+
+
+def _save_to_memory(state_dict: Dict[str, Any], step: int, metadata: Optional[Dict[str, Any]],
+                    background: bool = False):
+    """The snapshot, committed (a SaveInfo); with `background`, copied only (a _MemoryCommit)."""
     tier = _memory_tier()
     if tier is None:
         raise CheckpointError("save(tier='memory'): this node's agent keeps no memory checkpoints "
@@ -455,13 +476,21 @@ def _save_to_memory(state_dict: Dict[str, Any], step: int, metadata: Optional[Di
         if nbytes:
             capsule, as_dtype = _capsule(tensor)
             pieces.append((name, capsule, as_dtype, data_start + offset))
+    handed_over = False
     try:
-        with tier.allocate(step, rank, total) as segment:
+        segment = tier.allocate(step, rank, total)
+        try:
             buffer = segment.buffer
             buffer[0:16] = _MEMORY_MAGIC + struct.pack("<Q", len(header))
             buffer[16:16 + len(header)] = header
-            checksum = _core.copy_and_hash(buffer, pieces)
-            segment.commit(checksum)
+            if background:
+                _core.copy_and_hash(buffer, pieces, hash=False)
+                handed_over = True
+                return _MemoryCommit(segment, rank, total)
+            segment.commit(_core.copy_and_hash(buffer, pieces))
+        finally:
+            if not handed_over:
+                segment.__exit__(None, None, None)  # an uncommitted segment is released, never restored
     except _memory.MemoryTierError as e:
         raise CheckpointError(f"rank {rank}: memory snapshot of step {step}: {e}") from None
     return SaveInfo(step, "memory", total)
@@ -632,6 +661,13 @@ class AsyncSaver:
         saver.wait()   # before exiting: the last save is durable (also done at interpreter exit)
 
     snapshot="fork" copies on write in a forked child instead of copying (docs/checkpoint-format.md).
+
+    save(..., tier="memory") puts the snapshot into the node agent's memory like
+    ``save(..., tier="memory")`` does, but returns right after the copy into the agent's segment:
+    this saver's thread then hashes the segment and commits it. Until then the agent's newest
+    snapshot of this rank is the previous one (what a crash in between restores). Keep file and
+    memory saves in two savers: a memory snapshot every step should not wait for a file save in
+    flight.
     """
 
     def __init__(self, ckpt_dir: str, *, keep_last: int = 0, keep_every: int = 0, check_replicas: str = "sampled",
@@ -642,14 +678,55 @@ class AsyncSaver:
         self._saver = _core.AsyncSaver(self.ckpt_dir, comm,
                                        _save_options(keep_last, keep_every, check_replicas, snapshot=snapshot))
         self._pending_step: Optional[int] = None
+        self._last_tier = "file"
+        self._memory_thread: Optional[threading.Thread] = None
+        self._memory_outcome: List[Any] = []  # [SaveInfo] or [exception] of the memory commit in flight
         _live_savers.add(self)
 
-    def save(self, state_dict: Dict[str, Any], step: int, *, metadata: Optional[Dict[str, Any]] = None) -> None:
+    def _wait_memory(self) -> Optional[SaveInfo]:
+        """Waits for the memory commit in flight; returns its result or raises its error."""
+        if self._memory_thread is None:
+            return None
+        self._memory_thread.join()
+        self._memory_thread = None
+        outcome, self._memory_outcome = self._memory_outcome, []
+        if not outcome:
+            raise CheckpointError("the memory snapshot's commit thread ended without a result")
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
+
+    def _save_memory(self, state_dict: Dict[str, Any], step: int, metadata: Optional[Dict[str, Any]]) -> None:
+        self._saver.wait()  # one save in flight: a file save first
+        self._wait_memory()
+        pending = _save_to_memory(state_dict, step, metadata, background=True)
+        self._pending_step, self._last_tier = step, "memory"
+        outcome = self._memory_outcome
+
+        def commit():
+            try:
+                outcome.append(pending.finish())
+            except BaseException as e:  # raised by the next save() or wait()
+                outcome.append(e)
+
+        self._memory_thread = threading.Thread(target=commit, name=f"elastrun-memory-commit-{step}")
+        self._memory_thread.start()
+
+    def save(self, state_dict: Dict[str, Any], step: int, *, metadata: Optional[Dict[str, Any]] = None,
+             tier: str = "file") -> None:
         """Snapshots `state_dict` and returns; the tensors may be modified right after. Raises the
-        previous save's error, if it failed (this one is then not started)."""
+        previous save's error, if it failed (this one is then not started). tier="memory": into
+        the node agent's memory (see the class's doc)."""
         if self._saver is None:
             raise CheckpointError("this AsyncSaver is closed")
         _check_step(step)
+        if tier == "memory":
+            self._save_memory(state_dict, step, metadata)
+            return
+        if tier != "file":
+            raise ValueError(f"tier={tier!r}: expected 'file' or 'memory'")
+        self._wait_memory()
+        self._last_tier = "file"
         try:
             flat = _tree.flatten(state_dict)
             text = _metadata_text(state_dict, flat, metadata)
@@ -668,7 +745,10 @@ class AsyncSaver:
         """Blocks until no save is in flight; returns the last save's result, or raises its error."""
         if self._saver is None:
             return None
+        memory = self._wait_memory()
         result = self._saver.wait()
+        if self._last_tier == "memory":
+            return memory
         if result is None:
             return None
         return SaveInfo(self._pending_step if self._pending_step is not None else -1, result["path"],
@@ -676,15 +756,19 @@ class AsyncSaver:
 
     @property
     def busy(self) -> bool:
-        """True while a save is being written."""
-        return self._saver is not None and self._saver.busy
+        """True while a save is being written (or a memory snapshot committed)."""
+        return self._saver is not None and (self._saver.busy or
+                                            (self._memory_thread is not None and self._memory_thread.is_alive()))
 
     def close(self) -> None:
         """Waits for the save in flight (raising its error) and releases the writer thread."""
         if self._saver is None:
             return
         try:
-            self._saver.wait()
+            try:
+                self._wait_memory()
+            finally:
+                self._saver.wait()
         finally:
             self._saver = None
             _live_savers.discard(self)

@@ -255,7 +255,7 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "copy_and_hash",
-      [](const py::buffer& segment, const py::list& pieces) {
+      [](const py::buffer& segment, const py::list& pieces, bool hash) {
         // pieces: (name, capsule, dtype or None, offset in the segment)
         py::buffer_info out = segment.request(true);
         std::vector<SegmentPiece> copies;
@@ -271,10 +271,11 @@ PYBIND11_MODULE(_core, m) {
         auto* data = static_cast<std::byte*>(out.ptr);
         const auto size = static_cast<std::size_t>(out.size * out.itemsize);
         py::gil_scoped_release release;
-        return copy_and_hash(data, size, std::move(copies));  // std::invalid_argument: ValueError
+        return copy_and_hash(data, size, std::move(copies), hash);  // std::invalid_argument: ValueError
       },
-      py::arg("segment"), py::arg("pieces"),
-      "copies each tensor into the writable buffer at its offset; returns the XXH3-64 of the whole buffer");
+      py::arg("segment"), py::arg("pieces"), py::arg("hash") = true,
+      "copies each tensor into the writable buffer at its offset; returns the XXH3-64 of the whole buffer "
+      "(hash=False: 0, the copy only)");
   m.def(
       "xxh3",
       [](const py::buffer& data) {

@@ -17,7 +17,8 @@ struct SegmentPiece {
 // Copies every piece to dst + offset and returns the XXH3-64 of all `size` bytes of dst (what lies
 // between and after the pieces included), each MiB hashed right after it was written, while it is
 // still in cache. Pieces must not overlap and must lie inside [0, size) (std::invalid_argument).
-std::uint64_t copy_and_hash(std::byte* dst, std::size_t size, std::vector<SegmentPiece> pieces);
+// With hash=false only the copy (returns 0): AsyncSaver hashes on its thread, after training resumed.
+std::uint64_t copy_and_hash(std::byte* dst, std::size_t size, std::vector<SegmentPiece> pieces, bool hash = true);
 
 // XXH3-64 of `size` bytes: what copy_and_hash returned for a segment, checked before a restore.
 std::uint64_t hash_bytes(const std::byte* data, std::size_t size);

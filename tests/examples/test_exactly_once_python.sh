@@ -10,7 +10,10 @@
 #   M  the memory tier with preloaded workers (--preload=torch --memory-checkpoints, --memory-every 1):
 #      2 workers, rank 1 fails before step 18 once: the restart resumes from step 17 in the agents'
 #      memory (the newest file step is 15 or 10), not from the file tier
-#   then `elastrun-ckpt diff A B`, `diff A C`, `diff A M` exit 0, `diff A D` exits 1; A's events; and
+#   E  the memory tier with a budget that holds no snapshot (--memory-checkpoints=4K): one warning
+#      line per worker naming the budget, training goes on with the file tier, the failure at 17
+#      resumes from the file tier (15 or 10)
+#   then `elastrun-ckpt diff A B`, `diff A C`, `diff A M`, `diff A E` exit 0, `diff A D` exits 1; A's events; and
 #   checkpoint-and-stop (SIGUSR1 to a worker) saves and exits 85.
 # Usage: test_exactly_once_python.sh path/to/elastrun path/to/elastrun-ckpt SOURCE_DIR
 set -euo pipefail
@@ -75,6 +78,17 @@ started = [e for e in events if e["event"] == "workers_started"]
 assert started and all(set(e["started_by"]) == {"preload"} for e in started), started
 PY
 
+# E: a memory budget too small for any snapshot: a warning, and the file tier does the work
+agent 2 e.log --max-restarts=1 --memory-checkpoints=4K "$train" "${steps[@]}" --memory-every 1 --ckpt-dir "$out/e" \
+  --fail-at-step 17:1 || fail "E exited $?"
+grep -Eq "\[rank 0\] warning: memory snapshot of step 1: .*budget.*--memory-checkpoints" "$out/e.log" ||
+  fail "E: no warning naming the memory budget"
+[[ $(grep -c "\[rank 0\] warning: memory snapshot" "$out/e.log") -eq 2 ]] ||
+  fail "E: rank 0 should warn once per process (2 attempts)"
+grep -Eq "\[rank 0\] resumed from .*step-0*(15|10): step (15|10), sample (960|640), world 2 \(saved at world 2\)" \
+  "$out/e.log" || fail "E did not resume from the file tier (step 15 or 10)"
+grep -q "\[rank 0\] done: 30 steps" "$out/e.log" || fail "E did not finish"
+
 # C: 2 workers to step 20, then 3 workers to 30
 agent 2 c1.log "$train" --steps 20 --ckpt-every 5 --ckpt-dir "$out/c" || fail "C (2 workers) exited $?"
 agent 3 c2.log "$train" "${steps[@]}" --ckpt-dir "$out/c" || fail "C (3 workers) exited $?"
@@ -84,7 +98,7 @@ grep -q "\[rank 0\] resumed from .*: step 20, sample 1280, world 3 (saved at wor
 # D: another seed
 timeout 300 /usr/bin/python3 "$train" "${steps[@]}" --ckpt-dir "$out/d" --seed 2 >"$out/d.log" 2>&1 || fail "D exited $?"
 
-for run in b c m; do
+for run in b c m e; do
   rc=0
   "$tool" diff "$out/a" "$out/$run" >"$out/diff-$run.log" 2>&1 || rc=$?
   ((rc == 0)) || fail "diff A ${run^^} exited $rc: $(cat "$out/diff-$run.log")"

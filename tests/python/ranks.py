@@ -228,6 +228,24 @@ def scenario_memory(ckpt_dir):
     corrupt(1)
     info = ec.load(into, ckpt_dir)
     assert (info.step, info.source) == (10, "file") and torch.equal(into["t"], saved["t"]), (info, into)
+    # AsyncSaver: save() returns after the copy (the tensor changes right after), its thread commits
+    with ec.AsyncSaver(ckpt_dir) as saver:
+        changing = {"t": saved["t"] * 3}
+        saver.save(changing, 12, tier="memory", metadata={"next_sample": 384})
+        changing["t"].zero_()
+        done = saver.wait()
+        assert (done.step, done.path) == (12, "memory") and done.bytes_written > 0, done
+        info = ec.load(into, ckpt_dir)
+        assert (info.step, info.source) == (12, "memory-local") and torch.equal(into["t"], saved["t"] * 3), info
+        saver.save(changing, 13, tier="file")  # then a file save through the same saver
+        assert saver.wait().step == 13
+    info = ec.load(into, ckpt_dir)
+    assert (info.step, info.source) == (13, "file") and not into["t"].any(), info
+    with ec.AsyncSaver(ckpt_dir) as saver:
+        saver.save({"t": saved["t"] * 3}, 14, tier="memory", metadata={"next_sample": 448})
+    info = ec.load(into, ckpt_dir)  # the saver's close() committed it
+    assert (info.step, info.source, info.metadata) == (14, "memory-local", {"next_sample": 448}), info
+    assert torch.equal(into["t"], saved["t"] * 3), into
     log("memory tier ok")
 
 
