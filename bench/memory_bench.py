@@ -159,7 +159,7 @@ def main():
     p.add_argument("--mib-per-rank", type=int, default=256)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--train-mib", type=int, default=64)
-    p.add_argument("--train-steps", type=int, default=8, help="steps per kind (two blocks each)")
+    p.add_argument("--train-steps", type=int, default=16, help="steps per kind (two blocks each)")
     p.add_argument("--step-s", type=float, default=1.0, help="compute per training step")
     p.add_argument("--matrix", type=int, default=256)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
