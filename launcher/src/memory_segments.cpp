@@ -29,8 +29,15 @@ std::uint64_t MemorySegments::spare_locked() const {
 void MemorySegments::drop_locked(const Key& key) {
   const auto it = segments_.find(key);
   if (it == segments_.end()) return;
-  spares_.push_back(Spare{std::move(it->second.fd), it->second.bytes, key.rank});
+  if (!it->second.handed_out) spares_.push_back(Spare{std::move(it->second.fd), it->second.bytes, key.rank});
   segments_.erase(it);
+}
+
+// Its pages are freed by the truncation, not by closing this descriptor: the worker that wrote it
+// may still map it (elastrun.memory keeps its mappings), and it will never be handed out again.
+void MemorySegments::free_spare_locked(std::size_t index) {
+  (void)::ftruncate(spares_[index].fd.get(), 0);  // best effort: closing frees it once unmapped anyway
+  spares_.erase(spares_.begin() + static_cast<std::ptrdiff_t>(index));
 }
 
 // The spare that needs the fewest new pages to hold `bytes`; among those, one of the same rank (its
@@ -57,6 +64,11 @@ util::UniqueFd MemorySegments::new_segment_locked(std::uint64_t step, int rank, 
 util::UniqueFd MemorySegments::allocate(std::uint64_t step, int rank, std::uint64_t bytes) {
   std::lock_guard lock(mutex_);
   const Key key{rank, step};
+  if (bytes > budget_)
+    throw MemoryBudgetError(fmt::format(
+        "the memory checkpoint budget ({} bytes, --memory-checkpoints) cannot hold step {} of rank {} ({} bytes): "
+        "give the agent a larger budget",
+        budget_, step, rank, bytes));
   drop_locked(key);  // a snapshot of the same step started again (its writer died, or retried)
   // Room: first spares other than the one to reuse, then committed segments of steps older than
   // the node's newest committed step, oldest first (never the newest: the one a restore needs
@@ -67,8 +79,7 @@ util::UniqueFd MemorySegments::allocate(std::uint64_t step, int rank, std::uint6
   auto reuse = best_spare_locked(bytes, rank);
   while (held_after(reuse) > budget_) {
     if (spares_.size() > (reuse ? 1u : 0u)) {
-      const std::size_t victim = reuse && *reuse == 0 ? 1 : 0;
-      spares_.erase(spares_.begin() + static_cast<std::ptrdiff_t>(victim));
+      free_spare_locked(reuse && *reuse == 0 ? 1 : 0);
     } else {
       const auto newest = newest_committed_locked();
       std::optional<Key> oldest;
@@ -82,8 +93,8 @@ util::UniqueFd MemorySegments::allocate(std::uint64_t step, int rank, std::uint6
   if (held_after(reuse) > budget_)
     throw MemoryBudgetError(fmt::format(
         "the memory checkpoint budget ({} bytes, --memory-checkpoints) cannot hold step {} of rank {} ({} bytes; {} "
-        "in use): give the agent a larger budget",
-        budget_, step, rank, bytes, used_locked()));
+        "in use by newer snapshots): give the agent a larger budget",
+        budget_, step, rank, bytes, used_locked() + spare_locked()));
   util::UniqueFd fd;
   if (reuse) {
     fd = std::move(spares_[*reuse].fd);
@@ -141,11 +152,11 @@ std::optional<std::uint64_t> MemorySegments::newest_committed_locked() const {
   return newest;
 }
 
-std::optional<MemorySegments::Found> MemorySegments::find(int rank, std::optional<std::uint64_t> step) const {
+std::optional<MemorySegments::Found> MemorySegments::find(int rank, std::optional<std::uint64_t> step) {
   std::lock_guard lock(mutex_);
-  const Segment* best = nullptr;
+  Segment* best = nullptr;
   std::uint64_t best_step = 0;
-  for (const auto& [k, s] : segments_) {
+  for (auto& [k, s] : segments_) {
     if (k.rank != rank || !s.committed || (step && k.step != *step)) continue;
     best = &s;  // ascending steps: the last one is the newest
     best_step = k.step;
@@ -154,6 +165,7 @@ std::optional<MemorySegments::Found> MemorySegments::find(int rank, std::optiona
   // its own open file, read-only: whoever restores can neither write nor map it writable-shared
   util::UniqueFd reader(::open(fmt::format("/proc/self/fd/{}", best->fd.get()).c_str(), O_RDONLY | O_CLOEXEC));
   if (!reader) throw std::system_error(errno, std::generic_category(), "reopening a memory segment read-only");
+  best->handed_out = true;
   return Found{best_step, best->bytes, best->checksum, std::move(reader)};
 }
 

@@ -1,7 +1,8 @@
 // The memory checkpoint tier's segments, held by the node runtime for the whole job (docs/
 // launcher.md, "Memory checkpoints"). Each is a memfd this agent holds for one (step, rank):
 // handed to the worker to fill (mem_alloc), marked complete (mem_commit), handed out through a
-// read-only descriptor to whoever restores (mem_get). A dropped segment is kept as a spare and
+// read-only descriptor to whoever restores (mem_get). A dropped segment (one no reader got) is
+// kept as a spare and
 // handed to the next mem_alloc: a fresh page costs a fault and the kernel's zeroing at its first
 // write -- 40x the copy itself on a virtual machine -- so a snapshot every step writes into the
 // pages of the one dropped before it (which is why segments are not sealed: a seal is forever).
@@ -60,7 +61,8 @@ class MemorySegments {
     util::UniqueFd fd;  // a new read-only descriptor of the segment (its own open file: O_RDONLY)
   };
   // The committed segment of (step, rank), or the rank's newest committed one without a step.
-  std::optional<Found> find(int rank, std::optional<std::uint64_t> step = std::nullopt) const;
+  // The segment is then never reused as a spare (freed when dropped).
+  std::optional<Found> find(int rank, std::optional<std::uint64_t> step = std::nullopt);
 
   // Drops every segment (committed or not, any rank) of a step after `after_step`: a restore went
   // back to that step, so newer ones belong to an abandoned history (and, being the newest,
@@ -83,6 +85,9 @@ class MemorySegments {
     util::UniqueFd fd;
     std::uint64_t bytes = 0, checksum = 0;
     bool committed = false;
+    // find() gave a reader a descriptor of it: when dropped it is freed, never reused -- a reader
+    // may still hold it, and must not see another snapshot's bytes (or a shorter file) in it
+    bool handed_out = false;
   };
   struct Spare {
     util::UniqueFd fd;
@@ -93,7 +98,8 @@ class MemorySegments {
   std::uint64_t spare_locked() const;
   std::optional<std::uint64_t> newest_committed_locked() const;
   std::optional<std::size_t> best_spare_locked(std::uint64_t bytes, int rank) const;
-  void drop_locked(const Key& key);  // the segment becomes a spare
+  void drop_locked(const Key& key);  // the segment becomes a spare (unless handed out)
+  void free_spare_locked(std::size_t index);
   util::UniqueFd new_segment_locked(std::uint64_t step, int rank, std::uint64_t bytes);
 
   const std::uint64_t budget_;

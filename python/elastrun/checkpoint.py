@@ -554,25 +554,13 @@ def _plan_from_memory(state_dict: Dict[str, Any], header: dict) -> _Plan:
 
 
 def _copy_from_memory(plan: _Plan, snapshot: Any, header: dict, state_dict: Dict[str, Any]) -> None:
-    # pread straight into the targets (a new mapping of the segment would pay a fault per page);
-    # a target that is not a contiguous host tensor is read into a temporary, then copied
+    # pread straight into the plan's targets (contiguous host tensors: _Plan stages any other) --
+    # a new mapping of the segment would pay a fault per page
     by_name = {entry[0]: entry for entry in header["tensors"]}
     start = header["data_start"]
-    reads, copies = [], []
-    for name, into, _ in plan.targets:
-        at, nbytes = by_name[name][3], by_name[name][4]
-        if not nbytes:
-            continue
-        direct = into.device.type == "cpu" and into.is_contiguous()
-        target = into.detach() if direct else torch.empty(into.shape, dtype=into.dtype)
-        capsule, as_dtype = _capsule(target)
-        reads.append((name, capsule, as_dtype, start + at))
-        if not direct:
-            copies.append((into, target))
+    reads = [(name, capsule, as_dtype, start + by_name[name][3])
+             for name, capsule, as_dtype, _ in plan.entries if by_name[name][4]]
     _core.read_into(snapshot.fd, reads)
-    with torch.no_grad():
-        for into, target in copies:
-            into.copy_(target)
     plan.finish(state_dict)
 
 
@@ -611,7 +599,19 @@ def _restore_from_memory(state_dict: Dict[str, Any], ckpt_dir: Optional[str], ti
                 print(f"elastrun.checkpoint: the memory snapshot of step {step} is not usable on every rank "
                       f"({why}): restoring from the file tier", file=sys.stderr, flush=True)
             return None
-        _copy_from_memory(plan, opened[0], opened[1], state_dict)
+        # Every rank learns whether every copy worked (a rank that raised alone would leave the
+        # others waiting in the next collective; its tensors may be partly written).
+        failure = None
+        try:
+            _copy_from_memory(plan, opened[0], opened[1], state_dict)
+        except Exception as e:  # noqa: BLE001 -- reported on every rank below
+            failure = f"{type(e).__name__}: {e}"
+        copied = [json.loads(v) for v in _allgather(comm, {"ok": failure is None, "why": failure})]
+        failed = [(r, v["why"]) for r, v in enumerate(copied) if not v["ok"]]
+        if failed:
+            raise CheckpointError(f"restoring step {step} from the agents' memory failed on rank {failed[0][0]}: "
+                                  f"{failed[0][1]} (its tensors may be partly written: load again, "
+                                  "memory=False for the file tier)")
     finally:
         if opened is not None:
             opened[0].close()
@@ -709,8 +709,13 @@ class AsyncSaver:
             except BaseException as e:  # raised by the next save() or wait()
                 outcome.append(e)
 
-        self._memory_thread = threading.Thread(target=commit, name=f"elastrun-memory-commit-{step}")
-        self._memory_thread.start()
+        thread = threading.Thread(target=commit, name=f"elastrun-memory-commit-{step}")
+        try:
+            thread.start()
+        except BaseException:
+            pending.segment.__exit__(None, None, None)  # uncommitted: released, never restored
+            raise
+        self._memory_thread = thread
 
     def save(self, state_dict: Dict[str, Any], step: int, *, metadata: Optional[Dict[str, Any]] = None,
              tier: str = "file") -> None:

@@ -99,7 +99,11 @@ class MemoryTier:
             return None
         if fd is None:
             raise MemoryTierError("memory checkpoint tier: the agent's reply carried no segment")
-        return Snapshot(int(reply["step"]), rank, int(reply.get("checksum", 0)), int(reply["bytes"]), fd)
+        try:
+            return Snapshot(int(reply["step"]), rank, int(reply.get("checksum", 0)), int(reply["bytes"]), fd)
+        except (KeyError, TypeError, ValueError):
+            os.close(fd)
+            raise MemoryTierError(f"memory checkpoint tier: a malformed mem_get reply: {reply}") from None
 
     def get(self, rank: int, step: Optional[int] = None) -> Optional[Tuple[int, bytes, int]]:
         """(step, payload, checksum) of the newest (or the given) committed snapshot of `rank`; None

@@ -7,6 +7,7 @@ reference that rank 0 of the saving world wrote with torch.save.
 
 import os
 import random
+import struct
 import sys
 import time
 
@@ -211,26 +212,30 @@ def scenario_memory(ckpt_dir):
     assert (info.step, info.source) == (9, "memory-local") and torch.equal(into["t"], saved["t"]), (info, into)
     # a snapshot changed after its commit (here through the writer's cached writable mapping: a
     # writer that broke the protocol) fails its checksum: rank 0 restores this replicated state
-    # from rank 1's snapshot; once rank 1's is changed too, every rank restores from the file tier
+    # from rank 1's snapshot (each rank's holds its own values here, so the values say whose was
+    # used); once rank 1's is changed too, every rank restores from the file tier
     ec.save(saved, ckpt_dir, 10)
-    ec.save({"t": saved["t"] * 2}, ckpt_dir, 11, tier="memory")
+    ec.save({"t": saved["t"] * 2 + RANK}, ckpt_dir, 11, tier="memory")
 
     def corrupt(rank):
         if RANK == rank:
             mapping = next(reversed(elastrun.memory._WRITABLE_MAPPINGS.values()))
-            mapping[len(mapping) - 1] ^= 0xFF
+            (length,) = struct.unpack("<Q", mapping[8:16])
+            mapping[ec._aligned(16 + length)] ^= 0xFF  # the first byte of the tensor's data
         dist.barrier()
 
     corrupt(0)
     into = {"t": torch.zeros(3, 4).t()}
     info = ec.load(into, ckpt_dir)
-    assert (info.step, info.source) == (11, "memory-local") and torch.equal(into["t"], saved["t"] * 2), (info, into)
+    assert (info.step, info.source) == (11, "memory-local") and torch.equal(into["t"], saved["t"] * 2 + 1), \
+        (info, into)
     corrupt(1)
     info = ec.load(into, ckpt_dir)
     assert (info.step, info.source) == (10, "file") and torch.equal(into["t"], saved["t"]), (info, into)
     # AsyncSaver: save() returns after the copy (the tensor changes right after), its thread commits
     with ec.AsyncSaver(ckpt_dir) as saver:
-        changing = {"t": saved["t"] * 3}
+        changing = {"t": (saved["t"] * 3).contiguous()}  # contiguous: copied by save() straight from it
+        assert changing["t"].is_contiguous()
         saver.save(changing, 12, tier="memory", metadata={"next_sample": 384})
         changing["t"].zero_()
         done = saver.wait()

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <vector>
 
@@ -79,8 +80,58 @@ TEST(MemorySegments, DroppedSegmentsAreReusedForTheNextSnapshot) {
   ASSERT_EQ(::fstat(grown.get(), &st), 0);
   EXPECT_EQ(st.st_size, 3 * 4096) << "resized to the new snapshot";
   EXPECT_EQ(segments.list()["spare"], 0);
+  EXPECT_LE(segments.used() + segments.spare(), 4u * 4096) << "spares count against the budget";
   EXPECT_TRUE(segments.find(0, 4)) << "the newest committed step stays";
   EXPECT_FALSE(segments.find(0, 3)) << "step 3 made room (older than the newest)";
+}
+
+// Retention drops step 1 of both ranks at once: rank 1's next snapshot gets rank 1's old segment,
+// the one its worker still maps (a new mapping pays a fault per page at the first write).
+TEST(MemorySegments, ASpareGoesBackToTheRankThatWroteIt) {
+  MemorySegments segments(1 << 20);
+  std::map<int, ino_t> first;
+  for (std::uint64_t step = 1; step <= 3; ++step) {
+    for (int rank : {0, 1}) {
+      auto fd = segments.allocate(step, rank, 4096);
+      if (step == 1) first[rank] = inode(fd.get());
+    }
+    for (int rank : {0, 1}) segments.commit(step, rank, step);
+  }
+  EXPECT_EQ(segments.spare(), 2u * 4096);
+  EXPECT_EQ(inode(segments.allocate(4, 1, 4096).get()), first[1]);
+  EXPECT_EQ(inode(segments.allocate(4, 0, 4096).get()), first[0]);
+}
+
+// A reader's descriptor (mem_get) must keep showing the snapshot it asked for: a segment handed
+// out is freed when dropped, never reused for another snapshot.
+TEST(MemorySegments, AReaderKeepsItsSnapshotAfterTheSegmentIsDropped) {
+  MemorySegments segments(1 << 20);
+  std::vector<ino_t> inodes;
+  for (std::uint64_t step = 1; step <= 2; ++step) {
+    auto fd = segments.allocate(step, 0, 4096);
+    inodes.push_back(inode(fd.get()));
+    fill(fd.get(), 4096, static_cast<char>('a' + step));
+    segments.commit(step, 0, step);
+  }
+  auto reader = segments.find(0, 1);
+  ASSERT_TRUE(reader);
+  segments.allocate(3, 0, 4096);
+  segments.commit(3, 0, 3);  // retention drops step 1
+  EXPECT_FALSE(segments.find(0, 1));
+  EXPECT_EQ(segments.spare(), 0u) << "a segment a reader got is not kept as a spare";
+  auto next = segments.allocate(4, 0, 4096);
+  EXPECT_NE(inode(next.get()), inodes[0]);
+  fill(next.get(), 4096, 'z');
+  char byte = 0;
+  ASSERT_EQ(::pread(reader->fd.get(), &byte, 1, 4095), 1);
+  EXPECT_EQ(byte, 'b') << "the reader still sees step 1";
+}
+
+TEST(MemorySegments, ASnapshotLargerThanTheBudgetIsRefusedAtOnce) {
+  MemorySegments segments(4096);
+  EXPECT_THROW(segments.allocate(1, 0, ~std::uint64_t{0}), MemoryBudgetError);
+  EXPECT_THROW(segments.allocate(1, 0, 4097), MemoryBudgetError);
+  EXPECT_EQ(segments.used() + segments.spare(), 0u);
 }
 
 TEST(MemorySegments, RetentionAndBudget) {
