@@ -67,6 +67,10 @@ std::vector<Item> map_entries(const py::list& entries, Make make) {
   return items;
 }
 
+std::size_t host_bytes(const HostBuffer& buffer) {
+  return static_cast<std::size_t>(ckpt::element_count(buffer.shape)) * ckpt::dtype_size(buffer.dtype);
+}
+
 // Save entries: (name, capsule, dtype or None, global_shape or None, offset or None); a global
 // shape makes the entry this rank's slice of a sharded tensor, otherwise it is replicated.
 std::vector<ckpt::TensorView> views_of(const py::list& entries) {
@@ -258,16 +262,9 @@ PYBIND11_MODULE(_core, m) {
       [](const py::buffer& segment, const py::list& pieces, bool hash) {
         // pieces: (name, capsule, dtype or None, offset in the segment)
         py::buffer_info out = segment.request(true);
-        std::vector<SegmentPiece> copies;
-        for (const auto& item : pieces) {
-          const auto entry = item.cast<py::tuple>();
-          const auto name = entry[0].cast<std::string>();
-          const HostBuffer tensor = capsule_buffer(entry[1], name, dtype_override(entry[2]));
-          copies.push_back(
-              {tensor.data,
-               static_cast<std::size_t>(ckpt::element_count(tensor.shape)) * ckpt::dtype_size(tensor.dtype),
-               entry[3].cast<std::size_t>()});
-        }
+        auto copies = map_entries<SegmentPiece>(pieces, [](const py::tuple& entry, std::string, const HostBuffer& t) {
+          return SegmentPiece{t.data, host_bytes(t), entry[3].cast<std::size_t>()};
+        });
         auto* data = static_cast<std::byte*>(out.ptr);
         const auto size = static_cast<std::size_t>(out.size * out.itemsize);
         py::gil_scoped_release release;
@@ -297,15 +294,10 @@ PYBIND11_MODULE(_core, m) {
       "read_into",
       [](int fd, const py::list& pieces) {
         // pieces: (name, capsule of a contiguous host tensor to fill, dtype or None, offset in the segment)
-        std::vector<SegmentRead> reads;
-        for (const auto& item : pieces) {
-          const auto entry = item.cast<py::tuple>();
-          const auto name = entry[0].cast<std::string>();
-          const HostBuffer tensor = capsule_buffer(entry[1], name, dtype_override(entry[2]));
-          reads.push_back({tensor.data,
-                           static_cast<std::size_t>(ckpt::element_count(tensor.shape)) * ckpt::dtype_size(tensor.dtype),
-                           entry[3].cast<std::size_t>()});
-        }
+        const auto reads =
+            map_entries<SegmentRead>(pieces, [](const py::tuple& entry, std::string, const HostBuffer& t) {
+              return SegmentRead{t.data, host_bytes(t), entry[3].cast<std::size_t>()};
+            });
         py::gil_scoped_release release;
         read_pieces(fd, reads);
       },

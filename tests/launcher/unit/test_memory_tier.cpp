@@ -55,17 +55,23 @@ ino_t inode(int fd) {
   return st.st_ino;
 }
 
-// A fresh page costs a fault and zeroing at its first write (40x the copy on a VM): a snapshot
-// every step writes into the pages of the segment retention dropped before it.
-TEST(MemorySegments, DroppedSegmentsAreReusedForTheNextSnapshot) {
-  MemorySegments segments(4 * 4096);
+// Snapshots of steps 1..last for rank 0 (one page each, filled with 'a' + step); their inodes.
+std::vector<ino_t> put_steps(MemorySegments& segments, std::uint64_t last) {
   std::vector<ino_t> inodes;
-  for (std::uint64_t step = 1; step <= 3; ++step) {
+  for (std::uint64_t step = 1; step <= last; ++step) {
     auto fd = segments.allocate(step, 0, 4096);
     inodes.push_back(inode(fd.get()));
     fill(fd.get(), 4096, static_cast<char>('a' + step));
     segments.commit(step, 0, step);
   }
+  return inodes;
+}
+
+// A fresh page costs a fault and zeroing at its first write (40x the copy on a VM): a snapshot
+// every step writes into the pages of the segment retention dropped before it.
+TEST(MemorySegments, DroppedSegmentsAreReusedForTheNextSnapshot) {
+  MemorySegments segments(4 * 4096);
+  const auto inodes = put_steps(segments, 3);
   EXPECT_EQ(segments.used(), 2u * 4096);
   EXPECT_EQ(segments.spare(), 4096u) << "step 1, dropped by retention, is kept for reuse";
   auto fd = segments.allocate(4, 0, 4096);
@@ -106,13 +112,7 @@ TEST(MemorySegments, ASpareGoesBackToTheRankThatWroteIt) {
 // out is freed when dropped, never reused for another snapshot.
 TEST(MemorySegments, AReaderKeepsItsSnapshotAfterTheSegmentIsDropped) {
   MemorySegments segments(1 << 20);
-  std::vector<ino_t> inodes;
-  for (std::uint64_t step = 1; step <= 2; ++step) {
-    auto fd = segments.allocate(step, 0, 4096);
-    inodes.push_back(inode(fd.get()));
-    fill(fd.get(), 4096, static_cast<char>('a' + step));
-    segments.commit(step, 0, step);
-  }
+  const auto inodes = put_steps(segments, 2);
   auto reader = segments.find(0, 1);
   ASSERT_TRUE(reader);
   segments.allocate(3, 0, 4096);
