@@ -50,12 +50,16 @@ std::string usable(const fs::path& dir) {
   return {};
 }
 
-void make_index_entry(const std::string& link, const std::string& target) {
+}  // namespace
+
+void add_index_entry(const std::string& link, const std::string& target) {
   if (link.empty()) return;
   std::error_code ec;
   const fs::path entry(link);
   fs::create_directories(entry.parent_path(), ec);
   if (fs::is_symlink(entry, ec) && fs::read_symlink(entry, ec) == fs::path(target)) return;
+  // `elastrun run` puts a job's directory at its index entry itself
+  if (!fs::is_symlink(entry, ec) && fs::is_directory(entry, ec) && fs::equivalent(entry, target, ec)) return;
   // every agent of the job may get here at once: a private name, then an atomic rename
   const fs::path tmp = entry.string() + fmt::format(".tmp.{}", ::getpid());
   fs::remove(tmp, ec);
@@ -66,8 +70,6 @@ void make_index_entry(const std::string& link, const std::string& target) {
     spdlog::warn("warning: cannot add the job to the index {}: {}", link, ec.message());
   }
 }
-
-}  // namespace
 
 std::optional<JobDirPlan> plan_job_dir(const rdzv::EnvMap& env) {
   const std::string setting = get(env, kJobDirEnv);
@@ -99,7 +101,7 @@ std::string make_job_dir(const JobDirPlan& plan, const rdzv::EnvMap& env) {
   const fs::path wanted = fs::absolute(plan.path, ec);
   const std::string why = usable(wanted);
   if (why.empty()) {
-    make_index_entry(plan.index_link, wanted.string());
+    add_index_entry(plan.index_link, wanted.string());
     return wanted.string();
   }
   std::string tmp = get(env, "TMPDIR");
@@ -113,7 +115,7 @@ std::string make_job_dir(const JobDirPlan& plan, const rdzv::EnvMap& env) {
   }
   spdlog::warn("warning: cannot use the job directory {} ({}); this node writes its events and logs to {} instead",
                wanted.string(), why, fallback.string());
-  make_index_entry(plan.index_link, fallback.string());
+  add_index_entry(plan.index_link, fallback.string());
   return fallback.string();
 }
 

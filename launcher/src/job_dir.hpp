@@ -38,6 +38,10 @@ std::optional<JobDirPlan> plan_job_dir(const rdzv::EnvMap& env);
 // could be made at all (warned).
 std::string make_job_dir(const JobDirPlan& plan, const rdzv::EnvMap& env);
 
+// The index entry `link` -> `target` (atomic: every agent of a job may add it at once); nothing
+// when `link` already is that directory or that link; a failure is one warning line.
+void add_index_entry(const std::string& link, const std::string& target);
+
 // `elastrun job-dir`: prints the job directory of this environment (nothing, exit 1, outside a job).
 int run_job_dir_command(int argc, char** argv);
 

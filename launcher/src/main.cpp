@@ -5,8 +5,9 @@
 //      argv holds the *user's* arguments, which must not be read as our verbs;
 //   2. a verb first on the line: `env [--json]` (env_command.hpp), `store-serve ...`
 //      (spank_commands.hpp), `job-dir` and `job-step COMMAND...` (job_dir.hpp), `node-status [ADDRESS]`
-//      (node_endpoint.hpp), `--version`;
-//   3. otherwise the agent: `elastrun [torchrun flags] PROGRAM [ARGS...]` (agent.hpp).
+//      (node_endpoint.hpp), the job CLI's `run|status|log|cancel|list|describe` (jobs/), `--version`;
+//   3. otherwise the agent: `elastrun [torchrun flags] PROGRAM [ARGS...]` (agent.hpp); `elastrun --
+//      run ...` runs a program called like a verb.
 #include <fmt/format.h>
 
 #include <cstdlib>
@@ -14,6 +15,7 @@
 
 #include "agent.hpp"
 #include "env_command.hpp"
+#include "job_cli.hpp"
 #include "job_dir.hpp"
 #include "node_endpoint.hpp"
 #include "spank_commands.hpp"
@@ -32,6 +34,7 @@ int main(int argc, char** argv) {
     if (verb == "job-dir") return launcher::run_job_dir_command(argc - 1, argv + 1);
     if (verb == "job-step") return launcher::run_job_step_command(argc - 1, argv + 1);
     if (verb == "node-status") return launcher::run_node_status_command(argc - 1, argv + 1);
+    if (elastrun::jobs::is_job_verb(verb)) return elastrun::jobs::run_job_verb(argc - 1, argv + 1);
     if (verb == "--version" || verb == "-V") {
       fmt::print("elastrun {}\n", ELASTRUN_VERSION);
       return 0;

@@ -382,7 +382,9 @@ void describe_usage(CLI::App& app) {
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.get_formatter()->column_width(44);
   app.footer(
-      "\nusage: elastrun [options] PROGRAM [ARGS...]\n"
+      "\nusage: elastrun [options] [--] PROGRAM [ARGS...]\n"
+      "       elastrun run|status|log|cancel|list|describe ...   the job CLI (docs/jobs.md; a program\n"
+      "                                 called like a verb: elastrun -- run ...)\n"
       "       elastrun env [--json]     print the detected Slurm/MPI/torch environment\n"
       "       elastrun --version\n"
       "PROGRAM: a *.py script or -m MODULE runs with $ELASTRUN_PYTHON (default python3) -u;\n"
@@ -610,8 +612,12 @@ ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::strin
   }
 
   auto rest = app.remaining();
+  // `elastrun [options] -- PROGRAM`: the end of our flags; how a program called like one of our
+  // verbs (`elastrun -- run`) is run instead of the verb (main.cpp)
+  const bool after_separator = !rest.empty() && rest.front() == "--";
+  if (after_separator) rest.erase(rest.begin());
   if (rest.empty()) throw UsageError("no program to run: elastrun [options] PROGRAM [ARGS...]");
-  if (rest.front().starts_with("-") && rest.front() != "-")
+  if (!after_separator && rest.front().starts_with("-") && rest.front() != "-")
     throw UsageError(fmt::format("unknown option '{}'", rest.front()));
   o.program = rest.front();
   o.program_args.assign(rest.begin() + 1, rest.end());

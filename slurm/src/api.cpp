@@ -2,7 +2,10 @@
 
 #include <slurm/slurm.h>
 #include <slurm/slurm_errno.h>
+#include <sys/wait.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <cstdlib>
 #include <memory>
@@ -113,6 +116,110 @@ std::optional<JobView> load_job(std::uint32_t job_id) {
   if (job.batch_flag && job.batch_host && *job.batch_host) view.batch_host = job.batch_host;
   if (job.nodes) view.nodes = job.nodes;
   return view;
+}
+
+namespace {
+
+// squeue's names for a job state (libslurm's own table is not in its public headers): the flags
+// that squeue shows instead of the base state first, then the base state.
+std::string state_name(std::uint32_t state) {
+  struct Flag {
+    std::uint32_t bit;
+    const char* name;
+  };
+  for (const Flag& f :
+       {Flag{JOB_REQUEUE_FED, "REQUEUE_FED"}, Flag{JOB_REQUEUE_HOLD, "REQUEUE_HOLD"},
+        Flag{JOB_SPECIAL_EXIT, "SPECIAL_EXIT"}, Flag{JOB_REQUEUE, "REQUEUED"}, Flag{JOB_RESIZING, "RESIZING"},
+        Flag{JOB_CONFIGURING, "CONFIGURING"}, Flag{JOB_COMPLETING, "COMPLETING"}, Flag{JOB_STAGE_OUT, "STAGE_OUT"},
+        Flag{JOB_SIGNALING, "SIGNALING"}})
+    if (state & f.bit) return f.name;
+  switch (state & JOB_STATE_BASE) {
+    case JOB_PENDING: return "PENDING";
+    case JOB_RUNNING: return "RUNNING";
+    case JOB_SUSPENDED: return "SUSPENDED";
+    case JOB_COMPLETE: return "COMPLETED";
+    case JOB_CANCELLED: return "CANCELLED";
+    case JOB_FAILED: return "FAILED";
+    case JOB_TIMEOUT: return "TIMEOUT";
+    case JOB_NODE_FAIL: return "NODE_FAIL";
+    case JOB_PREEMPTED: return "PREEMPTED";
+    case JOB_BOOT_FAIL: return "BOOT_FAIL";
+    case JOB_DEADLINE: return "DEADLINE";
+    case JOB_OOM: return "OUT_OF_MEMORY";
+    default: return "UNKNOWN";
+  }
+}
+
+JobRecord record_of(const slurm_job_info_t& job) {
+  JobRecord r;
+  r.job_id = job.job_id;
+  r.state = state_name(job.job_state);
+  const auto text = [](const char* p) { return p ? std::string(p) : std::string(); };
+  r.name = text(job.name);
+  r.work_dir = text(job.work_dir);
+  r.command = text(job.command);
+  r.nodes = text(job.nodes);
+  r.user = text(job.user_name);
+  r.num_nodes = job.num_nodes;
+  r.restart_count = job.restart_cnt;
+  r.submit_time = static_cast<long>(job.submit_time);
+  r.start_time = static_cast<long>(job.start_time);
+  r.end_time = static_cast<long>(job.end_time);
+  r.exit_code = WIFEXITED(job.exit_code) ? WEXITSTATUS(job.exit_code) : 128 + WTERMSIG(job.exit_code);
+  return r;
+}
+
+}  // namespace
+
+JobQuery query_job(std::uint32_t job_id) {
+  JobQuery q;
+  if (!config_available()) {
+    q.error = "no Slurm configuration to reach slurmctld (set SLURM_CONF)";
+    return q;
+  }
+  init_once();
+  job_info_msg_t* raw = nullptr;
+  if (slurm_load_job(&raw, job_id, SHOW_ALL) != SLURM_SUCCESS || !raw) {
+    if (slurm_get_errno() != ESLURM_INVALID_JOB_ID) q.error = last_error();
+    return q;
+  }
+  std::unique_ptr<job_info_msg_t, JobInfoDeleter> info(raw);
+  for (std::uint32_t i = 0; i < info->record_count; ++i)
+    if (info->job_array[i].job_id == job_id) q.job = record_of(info->job_array[i]);
+  return q;
+}
+
+std::string query_jobs(std::vector<JobRecord>& jobs) {
+  if (!config_available()) return "no Slurm configuration to reach slurmctld (set SLURM_CONF)";
+  init_once();
+  job_info_msg_t* raw = nullptr;
+  if (slurm_load_jobs(0, &raw, SHOW_ALL) != SLURM_SUCCESS || !raw) return last_error();
+  std::unique_ptr<job_info_msg_t, JobInfoDeleter> info(raw);
+  for (std::uint32_t i = 0; i < info->record_count; ++i) jobs.push_back(record_of(info->job_array[i]));
+  return {};
+}
+
+std::string cluster_name() {
+  if (!config_available()) return {};
+  init_once();
+  slurm_conf_t* conf = nullptr;
+  if (slurm_load_ctl_conf(0, &conf) != SLURM_SUCCESS || !conf) return {};
+  std::string name = conf->cluster_name ? conf->cluster_name : "";
+  slurm_free_ctl_conf(conf);
+  return name;
+}
+
+std::string signal_job_steps(std::uint32_t job_id, int signal) {
+  if (!config_available()) return "no Slurm configuration to reach slurmctld";
+  init_once();
+  return slurm_kill_job(job_id, static_cast<uint16_t>(signal), KILL_STEPS_ONLY) == SLURM_SUCCESS ? std::string()
+                                                                                                 : last_error();
+}
+
+std::string cancel_job(std::uint32_t job_id) {
+  if (!config_available()) return "no Slurm configuration to reach slurmctld";
+  init_once();
+  return slurm_kill_job(job_id, SIGKILL, 0) == SLURM_SUCCESS ? std::string() : last_error();
 }
 
 std::string requeue_job(std::uint32_t job_id) {

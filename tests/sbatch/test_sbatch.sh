@@ -17,7 +17,8 @@
 #            WORLD_SIZE stays 6, ranks in node order, no restart counted; the job COMPLETES
 #   node_loss  (private testbed) elastic.sbatch, then `kill-node n3` mid-run -> the job keeps
 #            its allocation (#SBATCH --no-kill), the survivors finish with WORLD_SIZE 6 and the
-#            job ends COMPLETED with exit code 0
+#            job ends COMPLETED with exit code 0; `elastrun status` then shows both rounds (8, 6),
+#            n3 lost as the root cause and the time lost to it
 # Usage: test_sbatch.sh CASE path/to/launcher_test_worker [path/to/train]
 # Environment: SLURM_CONF etc. of the shared testbed (ELASTRUN_TESTBED_ENV), ELASTRUN_BIN, SBATCH_DIR.
 set -euo pipefail
@@ -192,6 +193,18 @@ six = sorted((r for r in runs if r["WORLD_SIZE"] == "6"), key=lambda r: int(r["R
 assert [int(r["RANK"]) for r in six] == list(range(6)), runs
 assert [r["ELASTRUN_NODE"] for r in six] == ["n1", "n1", "n2", "n2", "n4", "n4"], six
 print("ok: after kill-node n3 the job finished on n1 n2 n4 with WORLD_SIZE 6 and ended COMPLETED")
+PY
+  # `elastrun status` of the sbatch job (the job CLI, docs/jobs.md): the loss, the smaller world, the time lost
+  "$ELASTRUN_BIN/elastrun" status --json "$(head -1 "$out/submit.txt" | cut -d';' -f1)" >"$out/status.json" ||
+    fail "elastrun status: $(cat "$out/status.json")"
+  /usr/bin/python3 - "$out/status.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+assert s["state"] == "SUCCEEDED" and s["world_size"] == 6, s
+assert [r["world_size"] for r in s["rounds"]] == [8, 6], s
+assert [l["node"] for l in s["nodes_lost"]] == ["n3"] and s["root_cause"] == "node n3 lost", s
+assert 0 < s["time_lost_s"] < 60 and s["restarts"] == 0, s
+print(f"ok: elastrun status: world 8 -> 6, n3 lost, {s['time_lost_s']:.2f} s lost to it")
 PY
   ;;
 *) fail "unknown case $case_" ;;

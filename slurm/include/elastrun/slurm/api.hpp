@@ -40,10 +40,31 @@ struct JobView {
 };
 std::optional<JobView> load_job(std::uint32_t job_id);
 
+// What `elastrun status/list` show of a job (slurm_load_job: no accounting needed).
+struct JobRecord {
+  std::uint32_t job_id = 0;
+  std::string state;  // Slurm's name: PENDING, RUNNING, REQUEUED, COMPLETING, COMPLETED, TIMEOUT...
+  std::string name, work_dir, command, nodes, user;
+  std::uint32_t num_nodes = 0, restart_count = 0;
+  long submit_time = 0, start_time = 0, end_time = 0;
+  int exit_code = 0;  // the batch script's, when it ended
+};
+struct JobQuery {
+  std::optional<JobRecord> job;  // nullopt: slurmctld does not know the job (or did not answer)
+  std::string error;             // "" when slurmctld answered (job or no job)
+};
+JobQuery query_job(std::uint32_t job_id);
+// Every job slurmctld knows (all users), or the error.
+std::string query_jobs(std::vector<JobRecord>& jobs);
+// The cluster's ClusterName; "" when slurmctld cannot be asked.
+std::string cluster_name();
+
 // Calls that change the job: "" on success, else libslurm's error text.
 std::string requeue_job(std::uint32_t job_id);
 std::string complete_job(std::uint32_t job_id, int exit_code);  // as if its batch script exited so
 std::string exclude_nodes(std::uint32_t job_id, const std::string& hostlist);
+std::string signal_job_steps(std::uint32_t job_id, int signal);  // every step, not the batch script
+std::string cancel_job(std::uint32_t job_id);                    // as `scancel JOB`
 
 // SlurmdTimeout of the cluster's configuration.
 std::optional<std::chrono::seconds> slurmd_timeout();
