@@ -21,6 +21,10 @@ struct ScriptContext {
 
 std::string batch_script(const RunSpec& spec, const ScriptContext& ctx);
 
+// The words for a `#` comment line: quoted, newlines shown as \n (a newline would end the comment
+// and make the rest a command, before the #SBATCH lines).
+std::string comment_text(const std::vector<std::string>& words);
+
 // A word quoted for bash where it needs it ('...' with ' as '\''); plain words stay as they are.
 std::string shell_quote(const std::string& word);
 

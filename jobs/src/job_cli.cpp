@@ -7,8 +7,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -120,6 +123,40 @@ void make_private_dir(const fs::path& dir) {
                   fmt::format("cannot create the job directory {}: {}", dir.string(), std::strerror(errno)));
 }
 
+// A new job's directory, empty: one an earlier job of the same id left (a test cluster restarted
+// at job id 1, an index entry of an old sbatch job) is moved aside, never mixed with the new records.
+void make_fresh_job_dir(const fs::path& dir) {
+  std::error_code ec;
+  if (fs::exists(fs::symlink_status(dir, ec))) {
+    const fs::path aside = dir.string() + ".old-" + utc_text(now_s(), "%Y%m%d%H%M%S");
+    fs::rename(dir, aside, ec);
+    if (ec)
+      throw Failure(kExitError, fmt::format("{} exists (an earlier job's?) and cannot be moved aside: {}", dir.string(),
+                                            ec.message()));
+    fmt::print(stderr, "elastrun run: note: moved an earlier job's directory {} aside to {}\n", dir.string(),
+               aside.string());
+  }
+  make_private_dir(dir);
+}
+
+// INT, TERM, HUP and QUIT held back while a submitted job is on hold: the command finishes
+// releasing (or cancelling) it before it can be stopped; never a job left held.
+class HeldSignals {
+ public:
+  HeldSignals() {
+    sigset_t set;
+    sigemptyset(&set);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&set, sig);
+    ::sigprocmask(SIG_BLOCK, &set, &previous_);
+  }
+  ~HeldSignals() { ::sigprocmask(SIG_SETMASK, &previous_, nullptr); }
+  HeldSignals(const HeldSignals&) = delete;
+  HeldSignals& operator=(const HeldSignals&) = delete;
+
+ private:
+  sigset_t previous_;
+};
+
 std::string self_exe() {
   std::error_code ec;
   auto p = fs::read_symlink("/proc/self/exe", ec);
@@ -188,6 +225,9 @@ struct Job {
   fs::path dir;  // "" when only Slurm knows the job
   json spec;     // job.json (null for a job not started by `elastrun run`)
   std::optional<slurm::JobRecord> slurm;
+  // the job's cluster is the one slurmctld here answers for (a local job: this host). Otherwise
+  // (two clusters sharing a home) only its directory answers: job 4711 here is another job.
+  bool here = true;
 };
 
 Job locate(const Handle& h) {
@@ -196,10 +236,19 @@ Job locate(const Handle& h) {
   std::error_code ec;
   const fs::path entry = h.index_entry();
   if (fs::is_directory(entry, ec)) job.dir = fs::canonical(entry, ec);
+  job.here = h.scheduler == "slurm" ? h.cluster == slurm::cluster_name() : h.cluster == hostname();
+  if (!job.here) {
+    if (job.dir.empty())
+      throw Failure(kExitError,
+                    fmt::format("unknown handle {}: a job of {} {}, not in the index {}", h.text(),
+                                h.scheduler == "slurm" ? "cluster" : "host", h.cluster, entry.parent_path().string()));
+    job.spec = read_json_file(job.dir / kSpecFile);
+    return job;
+  }
   if (h.scheduler == "slurm") {
     const auto q = slurm::query_job(*slurm::numeric_job_id(h.id));
-    if (!q.error.empty() && job.dir.empty())
-      throw Failure(kExitError, fmt::format("Slurm is unreachable: {}", q.error));
+    // unreachable is not "forgotten": a pending requeued job would read as its last run's end
+    if (!q.error.empty()) throw Failure(kExitError, fmt::format("Slurm is unreachable: {}", q.error));
     job.slurm = q.job;
     if (job.dir.empty() && job.slurm && !job.slurm->work_dir.empty()) {
       const fs::path guess = fs::path(job.slurm->work_dir) / ("elastrun-" + h.id);  // the agents' default
@@ -271,23 +320,31 @@ struct StatusView {
 
 StatusView status_of(const Job& job) {
   StatusView v;
-  const json outcome = read_json_file(job.dir / launcher::kOutcomeFileName);
-  if (outcome.is_object()) v.outcome = outcome.value("outcome", "");
-  v.cancel_requested = !job.dir.empty() && fs::exists(job.dir / kCancelFile);
-  v.summary = summarise(read_events(job.dir));
+  if (!job.dir.empty()) {
+    const json outcome = read_json_file(job.dir / launcher::kOutcomeFileName);
+    if (outcome.is_object()) v.outcome = outcome.value("outcome", "");
+    v.cancel_requested = fs::exists(job.dir / kCancelFile);
+    v.summary = summarise(read_events(job.dir));
+  }
   if (job.handle.scheduler == "local") {
     const json local = read_json_file(job.dir / kLocalFile);
     const json exit = read_json_file(job.dir / kLocalExitFile);
-    if (local.is_object() && process_alive(local.value("pid", 0L), local.value("start", "")))
-      v.app_state = "RUNNING";
-    else if (exit.is_object())
+    const auto alive = [&](const char* pid, const char* start) {
+      return local.is_object() && job.here && process_alive(local.value(pid, 0L), local.value(start, ""));
+    };
+    if (exit.is_object())
       v.app_state = v.cancel_requested ? "CANCELLED" : exit.value("exit_code", 1) == 0 ? "SUCCEEDED" : "FAILED";
+    else if (alive("pid", "start") || alive("waiter", "waiter_start"))  // the waiter: about to write exit.json
+      v.app_state = "RUNNING";
+    else if (!job.here)
+      v.app_state = "UNKNOWN";  // another host's processes cannot be seen from here
     else
-      v.app_state = local.is_object() ? "UNKNOWN" : "SUBMITTED";
+      v.app_state = local.is_object() ? (v.cancel_requested ? "CANCELLED" : "FAILED") : "SUBMITTED";
     return v;
   }
   if (job.slurm) v.slurm_state = job.slurm->state;
-  v.app_state = app_state(v.slurm_state, v.outcome, v.cancel_requested);
+  v.app_state =
+      job.here ? app_state(v.slurm_state, v.outcome, v.cancel_requested) : app_state("", v.outcome, v.cancel_requested);
   return v;
 }
 
@@ -373,7 +430,7 @@ void print_status(const Job& job, const StatusView& v) {
 
 Job refreshed(const Job& job) {
   Job j = job;
-  if (j.handle.scheduler == "slurm") {
+  if (j.handle.scheduler == "slurm" && j.here) {
     const auto q = slurm::query_job(*slurm::numeric_job_id(j.handle.id));
     if (q.error.empty()) j.slurm = q.job;
   }
@@ -397,9 +454,9 @@ int follow(Job job) {
       last = line;
     }
     if (terminal(v.app_state)) return v.app_state == "SUCCEEDED" ? kExitOk : kExitJobFailed;
-    if (v.app_state == "UNKNOWN" && job.handle.scheduler == "slurm" && !job.slurm)
-      throw Failure(kExitError,
-                    fmt::format("{}: Slurm forgot the job and its directory has no outcome", job.handle.text()));
+    if (v.app_state == "UNKNOWN" && (!job.here || (job.handle.scheduler == "slurm" && !job.slurm)))
+      throw Failure(kExitError, fmt::format("{}: {} and its directory has no outcome", job.handle.text(),
+                                            job.here ? "Slurm forgot the job" : "a job of another cluster or host"));
     std::this_thread::sleep_for(std::chrono::seconds(2));
   }
 }
@@ -471,6 +528,7 @@ int run_on_slurm(const RunSpec& spec, ScriptContext ctx) {
   fs::create_directories(staging, ec);
   const fs::path file = staging / fmt::format("elastrun-run-{}-{}.sbatch", ::getpid(), static_cast<long>(now_s()));
   write_text_file(file, script, true);
+  const HeldSignals held;
   const auto r = run_command({"sbatch", "--hold", "--parsable", file.string()});
   if (r.exit_code != 0) {
     fs::remove(file, ec);
@@ -481,23 +539,28 @@ int run_on_slurm(const RunSpec& spec, ScriptContext ctx) {
   const auto numeric = slurm::numeric_job_id(id);
   if (!numeric) throw Failure(kExitError, fmt::format("sbatch printed no job id: '{}'", first_line(r.out)));
   Handle h{"slurm", cluster, id, "", ""};
+  const auto give_up = [&](const std::string& why) {
+    const std::string err = slurm::cancel_job(*numeric);
+    return Failure(kExitError, err.empty() ? fmt::format("{}; job {} cancelled", why, id)
+                                           : fmt::format("{}; job {} left on hold ({}): scancel {}", why, id, err, id));
+  };
   try {
     const fs::path dir = replace_id(ctx.job_dir, id);
-    make_private_dir(dir);
+    make_fresh_job_dir(dir);
     fs::rename(file, dir / "job.sbatch", ec);
-    if (ec) fs::copy_file(file, dir / "job.sbatch", fs::copy_options::overwrite_existing, ec);
+    if (ec) {
+      fs::copy_file(file, dir / "job.sbatch", fs::copy_options::overwrite_existing, ec);
+      if (ec) throw Failure(kExitError, fmt::format("cannot keep the script in {}: {}", dir.string(), ec.message()));
+      fs::remove(file, ec);
+    }
     write_json_file(dir / kSpecFile, spec_json(spec, h.text(), ctx));
     if (fs::absolute(dir) != fs::absolute(h.index_entry()))
       launcher::add_index_entry(h.index_entry().string(), dir.string());
     const auto released = run_command({"scontrol", "release", id});
     if (released.exit_code != 0)
       throw Failure(kExitError, fmt::format("cannot release job {}: {}", id, first_line(released.err)));
-  } catch (const Failure&) {
-    slurm::cancel_job(*numeric);
-    throw;
   } catch (const std::exception& e) {
-    slurm::cancel_job(*numeric);
-    throw Failure(kExitError, fmt::format("job {} cancelled: {}", id, e.what()));
+    throw give_up(e.what());
   }
   fmt::print("{}\n", h.text());
   std::fflush(stdout);
@@ -510,8 +573,10 @@ int run_on_slurm(const RunSpec& spec, ScriptContext ctx) {
 int run_locally(RunSpec spec, ScriptContext ctx) {
   const std::string app_id = fmt::format("{}-{}-{}", job_name(spec), utc_text(now_s(), "%Y%m%d%H%M%S"), ::getpid());
   const std::string dir_setting = cfg_value(spec, "job_dir");
+  std::string dir_pattern = dir_setting;
+  if (!dir_pattern.empty() && dir_pattern.find("%j") == std::string::npos) dir_pattern += "/%j";
   const fs::path dir =
-      dir_setting.empty() ? index_dir() / "local" / app_id : fs::absolute(replace_id(dir_setting, app_id));
+      dir_setting.empty() ? index_dir() / "local" / app_id : fs::absolute(replace_id(dir_pattern, app_id));
   ctx.job_dir = dir.string();
   if (spec.component == "dist.ddp") {  // the same world on one machine
     spec.nproc_per_node *= spec.max_nodes;
@@ -519,11 +584,8 @@ int run_locally(RunSpec spec, ScriptContext ctx) {
     spec.spares = 0;
   }
   std::string script = "#!/bin/bash\n";
-  script += fmt::format("# Generated by `elastrun run` on {} from:\n#   elastrun run {}\n", ctx.generated_at, [&] {
-    std::string t;
-    for (const auto& w : spec.words) t += (t.empty() ? "" : " ") + shell_quote(w);
-    return t;
-  }());
+  script += fmt::format("# Generated by `elastrun run` on {} from:\n#   elastrun run {}\n", ctx.generated_at,
+                        comment_text(spec.words));
   script += "# -s local: this machine, one agent with --standalone (no Slurm).\nset -u\n";
   script += fmt::format("cd {}\nexport ELASTRUN_JOB_DIR={}\n", shell_quote(ctx.submit_dir), shell_quote(ctx.job_dir));
   for (const auto& [k, v] : spec.env) script += fmt::format("export {}={}\n", k, shell_quote(v));
@@ -534,7 +596,7 @@ int run_locally(RunSpec spec, ScriptContext ctx) {
     std::cout << script;
     return kExitOk;
   }
-  make_private_dir(dir);
+  make_fresh_job_dir(dir);
   write_text_file(dir / "job.sh", script, true);
   const Handle h{"local", hostname(), app_id, "", ""};
   write_json_file(dir / kSpecFile, spec_json(spec, h.text(), ctx));
@@ -544,8 +606,16 @@ int run_locally(RunSpec spec, ScriptContext ctx) {
   std::fflush(stderr);
   const pid_t waiter = ::fork();
   if (waiter < 0) throw Failure(kExitError, fmt::format("cannot fork: {}", std::strerror(errno)));
-  if (waiter == 0) {
+  if (waiter == 0) {  // the waiter: one thread (the CLI starts none), detached from the caller
     ::setsid();
+    ::signal(SIGCHLD, SIG_DFL);  // the agent's exit status must reach waitpid
+    // nothing of the caller's: a `$(elastrun run -s local ...)` must not wait for the job
+    const int null_fd = ::open("/dev/null", O_RDWR);
+    if (null_fd >= 0) {
+      for (int fd = 0; fd <= 2; ++fd) ::dup2(null_fd, fd);
+      if (null_fd > 2) ::close(null_fd);
+    }
+    ::close_range(3, ~0U, 0);
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
@@ -560,13 +630,17 @@ int run_locally(RunSpec spec, ScriptContext ctx) {
     int code = 127;
     if (rc == 0) {
       try {
-        write_json_file(dir / kLocalFile, {{"pid", agent}, {"start", process_start(agent)}, {"waiter", ::getpid()}});
+        write_json_file(dir / kLocalFile, {{"pid", agent},
+                                           {"start", process_start(agent)},
+                                           {"waiter", ::getpid()},
+                                           {"waiter_start", process_start(::getpid())}});
       } catch (...) {
       }
       int status = 0;
-      while (::waitpid(agent, &status, 0) < 0 && errno == EINTR) {
+      pid_t waited;
+      while ((waited = ::waitpid(agent, &status, 0)) < 0 && errno == EINTR) {
       }
-      code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      code = waited != agent ? 127 : WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     }
     try {
       write_json_file(dir / kLocalExitFile, {{"exit_code", code}, {"time", now_s()}});
@@ -954,52 +1028,68 @@ int verb_cancel(const std::vector<std::string>& args) {
     if (!t) throw Failure(kExitUsage, fmt::format("bad --timeout '{}': seconds", f.values.at("--timeout")));
     timeout = static_cast<double>(*t);
   }
+  if (!job.here)
+    throw Failure(kExitError, fmt::format("{} is a job of {} {}: cancel it there", job.handle.text(),
+                                          job.handle.scheduler == "slurm" ? "cluster" : "host", job.handle.cluster));
   const auto before = status_of(job);
   if (terminal(before.app_state)) {
     fmt::print("{} already ended: {}\n", job.handle.text(), before.app_state);
     return kExitOk;
   }
   const bool now = f.flags.contains("--now");
-  if (!job.dir.empty())
-    write_json_file(job.dir / kCancelFile, {{"time", now_s()}, {"user", env_or("USER", "")}, {"now", now}});
+  // the record first (the job may end the moment it is signalled: it must read as CANCELLED
+  // then), taken back if the request cannot be delivered
+  const fs::path record = job.dir.empty() ? fs::path() : job.dir / kCancelFile;
+  if (!record.empty()) write_json_file(record, {{"time", now_s()}, {"user", env_or("USER", "")}, {"now", now}});
+  const auto undelivered = [&](const std::string& why) {
+    std::error_code ec;
+    if (!record.empty()) fs::remove(record, ec);
+    return Failure(kExitError, why);
+  };
+  const auto id = job.handle.scheduler == "slurm" ? *slurm::numeric_job_id(job.handle.id) : 0;
   if (job.handle.scheduler == "local") {
     const json local = read_json_file(job.dir / kLocalFile);
     const long pid = local.is_object() ? local.value("pid", 0L) : 0;
-    if (pid <= 0 || !process_alive(pid, local.value("start", ""))) {
-      fmt::print("{}: its agent is not running\n", job.handle.text());
-      return kExitOk;
-    }
-    ::kill(static_cast<pid_t>(pid), now ? SIGKILL : SIGTERM);  // SIGTERM: checkpoint and stop
+    if (pid <= 0 || !process_alive(pid, local.value("start", "")))
+      throw undelivered(fmt::format("{}: its agent is not running (yet?)", job.handle.text()));
+    if (::kill(static_cast<pid_t>(pid), now ? SIGKILL : SIGTERM) != 0)  // SIGTERM: checkpoint and stop
+      throw undelivered(fmt::format("cannot signal the agent {}: {}", pid, std::strerror(errno)));
   } else {
-    const auto id = *slurm::numeric_job_id(job.handle.id);
     const bool running = before.app_state == "RUNNING";
     if (now || !running) {
       if (auto err = slurm::cancel_job(id); !err.empty())
-        throw Failure(kExitError, fmt::format("cannot cancel job {}: {}", id, err));
+        throw undelivered(fmt::format("cannot cancel job {}: {}", id, err));
       fmt::print("{} cancelled\n", job.handle.text());
       return kExitOk;
     }
     // SIGTERM to the steps only: each agent checkpoints and stops its workers; group rank 0 finds
     // the job neither preempted nor out of time and does not requeue (docs/launcher.md, Signals)
     if (auto err = slurm::signal_job_steps(id, SIGTERM); !err.empty())
-      throw Failure(kExitError, fmt::format("cannot signal job {}: {}", id, err));
+      throw undelivered(fmt::format("cannot signal job {}: {}", id, err));
   }
   fmt::print("{}: asked the workers to checkpoint and stop (waiting up to {:.0f} s)\n", job.handle.text(), timeout);
   std::fflush(stdout);
   const double deadline = now_s() + timeout;
+  double signalled = now_s();
   std::string outcome;
   while (now_s() < deadline) {
     job = refreshed(job);
     const auto v = status_of(job);
     outcome = v.outcome;
     if (!outcome.empty() || terminal(v.app_state) || (job.handle.scheduler == "slurm" && !job.slurm)) break;
+    // a step that started after the signal (a batch script still before its srun) gets it too;
+    // agents that have it already log and ignore a repeat
+    if (job.handle.scheduler == "slurm" && now_s() - signalled >= 5) {
+      slurm::signal_job_steps(id, SIGTERM);
+      signalled = now_s();
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
   }
   if (job.handle.scheduler == "slurm") {
     job = refreshed(job);
     if (job.slurm && app_state_of_slurm(job.slurm->state) != "SUCCEEDED" &&
         !terminal(app_state_of_slurm(job.slurm->state)))
-      slurm::cancel_job(*slurm::numeric_job_id(job.handle.id));  // what is left: the batch script's end
+      slurm::cancel_job(id);  // what is left: the batch script's end
   }
   fmt::print("{} cancelled{}\n", job.handle.text(),
              outcome == "checkpointed" ? " (the workers checkpointed first)"
@@ -1016,6 +1106,7 @@ bool is_job_verb(std::string_view word) {
 
 int run_job_verb(int argc, char** argv) {
   const std::string verb = argv[0];
+  ::signal(SIGCHLD, SIG_DFL);  // sbatch's and scontrol's exit codes must reach waitpid
   const std::vector<std::string> args(argv + 1, argv + argc);
   try {
     if (verb == "run") return verb_run(args);

@@ -50,7 +50,7 @@ std::string app_state(const std::string& slurm_state, const std::string& outcome
   if (cancel_requested) return "CANCELLED";
   if (!from_slurm.empty() && from_slurm != "UNKNOWN") {
     // the agents know better than srun's code when a shrink made Slurm end tasks
-    if (outcome == "succeeded") return "SUCCEEDED";
+    if (from_slurm == "FAILED" && outcome == "succeeded") return "SUCCEEDED";
     return from_slurm;
   }
   if (outcome == "succeeded") return "SUCCEEDED";
@@ -99,11 +99,15 @@ JobSummary summarise(std::vector<nlohmann::json> events) {
       if (s.root_cause.empty()) s.root_cause = "node " + node + " lost";
       if (outage_from < 0) outage_from = t;
     } else if (kind == "worker_exit") {
+      // a worker killed by a signal has exit_code 0 and the signal's name; 85: checkpointed
       const long code = long_of(e, "exit_code", 0);
-      if (code == 0 || code == 85) continue;
+      const std::string sig = text_of(e, "signal");
+      if ((code == 0 || code == 85) && sig.empty()) continue;
+      // the agent stops workers with SIGTERM: after a failure (already counted) or for a planned
+      // re-form (scale-up), which is no failure
+      if (sig == "SIGTERM" && code == 0) continue;
       if (outage_from < 0) outage_from = t;
       if (s.root_cause.empty()) {
-        const std::string sig = text_of(e, "signal");
         s.root_cause = "rank " + std::to_string(long_of(e, "rank", -1)) + " on node " + text_of(e, "node") +
                        (sig.empty() ? " exited with code " + std::to_string(code) : " killed by " + sig);
       }

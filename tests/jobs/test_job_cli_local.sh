@@ -67,11 +67,47 @@ test_expect_success 'cancel: the workers checkpoint and stop, the state is CANCE
   [[ $("$elastrun" status --json "$h" | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])') == RUNNING ]] \
     || fail "not RUNNING"
   pid=$(json "$out/index/local/${h##*/}/local.json" 'd["pid"]')
-  "$elastrun" cancel --timeout 60 "$h" >cancel.txt 2>&1 || fail "cancel: $(cat cancel.txt)"
-  grep -q 'checkpoint' cancel.txt || fail "cancel: $(cat cancel.txt)"
+    "$elastrun" cancel --timeout 60 "$h" >cancel.txt 2>&1 || fail "cancel: $(cat cancel.txt)"
+  grep -q 'the workers checkpointed first' cancel.txt || fail "cancel: $(cat cancel.txt)"
   "$elastrun" log "$h" | grep -q 'rank 1 checkpointed' || fail "no checkpoint: $("$elastrun" log "$h")"
   wait_for 10 exited "$pid" || fail "the agent $pid still runs"
-  "$elastrun" status "$h" | head -1 | grep -q CANCELLED || fail "status: $("$elastrun" status "$h")"
+  cancelled() { "$elastrun" status "$h" | head -1 | grep -q CANCELLED; }
+  wait_for 10 cancelled || fail "status: $("$elastrun" status "$h")"
+CASE
+
+test_expect_success 'run without --wait returns at once, even inside $(...); cancel --now' <<'CASE'
+  h=$(timeout 20 "$elastrun" run -s local utils.sh sleep 60) || fail "run inside \$(...) did not return"
+  [[ $h == local://* ]] || fail "handle: $h"
+  pid_known() { [[ -s $out/index/local/${h##*/}/local.json ]]; }
+  wait_for 10 pid_known || fail "no local.json"
+  pid=$(json "$out/index/local/${h##*/}/local.json" 'd["pid"]')
+  "$elastrun" cancel --now "$h" >now.txt 2>&1 || fail "cancel --now: $(cat now.txt)"
+  wait_for 10 exited "$pid" || fail "the agent $pid still runs after cancel --now"
+  cancelled() { "$elastrun" status "$h" | head -1 | grep -q CANCELLED; }
+  wait_for 10 cancelled || fail "status: $("$elastrun" status "$h")"
+CASE
+
+test_expect_success 'an argument with a newline: the script stays a script' <<'CASE'
+  code=$'import sys\nprint("two", "lines", sys.argv[1:])'
+  "$elastrun" run --dryrun utils.python -c "$code" >multi.sbatch
+  bash -n multi.sbatch || fail "not a bash script: $(cat multi.sbatch)"
+  # sbatch reads #SBATCH lines up to the first command: every line before the last #SBATCH is a comment
+  last=$(grep -n '^#SBATCH' multi.sbatch | tail -1 | cut -d: -f1)
+  ! head -n "$last" multi.sbatch | grep -v '^#' || fail "a command before the #SBATCH lines: $(cat multi.sbatch)"
+  "$elastrun" run -s local --wait utils.python -c "$code" -- a b >multi.txt 2>&1 || fail "run: $(cat multi.txt)"
+  "$elastrun" log "$(handle_of multi.txt)" | grep -qx "\[rank 0\] two lines \['a', 'b'\]" \
+    || fail "log: $("$elastrun" log "$(handle_of multi.txt)")"
+CASE
+
+test_expect_success "a handle of another cluster: its directory answers, Slurm here is not asked" <<'CASE'
+  mkdir -p index/othercluster/7
+  echo '{"handle": "slurm://othercluster/7", "name": "far", "submitted_at": 1}' >index/othercluster/7/job.json
+  echo '{"outcome": "succeeded", "exit_code": 0}' >index/othercluster/7/outcome.json
+  [[ $("$elastrun" status --json slurm://othercluster/7 | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])') == SUCCEEDED ]] \
+    || fail "status: $("$elastrun" status slurm://othercluster/7)"
+  rc=0
+  "$elastrun" cancel slurm://othercluster/7 >far.txt 2>&1 || rc=$?
+  ((rc == 1)) || fail "cancel of another cluster's job exited $rc: $(cat far.txt)"
 CASE
 
 test_expect_success 'bad input: one line naming it, exit 2; an unknown handle exit 1' <<'CASE'

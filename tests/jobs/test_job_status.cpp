@@ -2,6 +2,8 @@
 // of a job's event logs, from canned events.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "job_status.hpp"
 
 using namespace elastrun::jobs;
@@ -26,7 +28,9 @@ TEST(AppState, OurRecordsDecideOnceSlurmIsDoneOrHasForgotten) {
   EXPECT_EQ(app_state("FAILED", "checkpointed", true), "CANCELLED");
   EXPECT_EQ(app_state("COMPLETED", "checkpointed", true), "CANCELLED");
   EXPECT_EQ(app_state("FAILED", "succeeded", false), "SUCCEEDED");  // srun's code after a shrink
-  EXPECT_EQ(app_state("", "succeeded", false), "SUCCEEDED");        // after MinJobAge
+  EXPECT_EQ(app_state("CANCELLED", "succeeded", false), "CANCELLED");
+  EXPECT_EQ(app_state("TIMEOUT", "succeeded", false), "SUCCEEDED");
+  EXPECT_EQ(app_state("", "succeeded", false), "SUCCEEDED");  // after MinJobAge
   EXPECT_EQ(app_state("", "failed", false), "FAILED");
   EXPECT_EQ(app_state("", "", false), "UNKNOWN");
   EXPECT_EQ(app_state("", "", true), "CANCELLED");
@@ -88,8 +92,12 @@ TEST(JobSummary, AWorkerFailureIsTheRootCauseWhenNoNodeWasLost) {
   const auto s = summarise({
       ev(10, "n1", "round", {{"generation", 1}, {"world_size", 2}, {"restart_count", 0}}),
       ev(11, "n1", "worker_exit", {{"rank", 0}, {"exit_code", 0}}),
-      ev(12, "n2", "worker_exit", {{"rank", 1}, {"exit_code", 0}, {"signal", "SIGSEGV"}}),
-      ev(12, "n2", "worker_exit", {{"rank", 3}, {"exit_code", 139}, {"signal", "SIGSEGV"}}),
+      // a planned stop (a scale-up re-form): SIGTERM from the agent, no failure
+      ev(11.5, "n1", "worker_exit", {{"rank", 1}, {"exit_code", 0}, {"signal", "SIGTERM"}}),
+      ev(11.6, "n1", "workers_started", {{"attempt", 1}, {"ranks", {0, 1}}}),
+      ev(12, "n2", "worker_exit", {{"rank", 2}, {"exit_code", 85}, {"signal", ""}}),
+      ev(12, "n2", "worker_exit", {{"rank", 3}, {"exit_code", 0}, {"signal", "SIGSEGV"}}),
+      ev(12.1, "n2", "worker_exit", {{"rank", 2}, {"exit_code", 0}, {"signal", "SIGTERM"}}),
       ev(12.5, "n2", "failure_decision", {{"action", "restart"}, {"restarts", 1}, {"max_restarts", 3}}),
       ev(13, "n2", "workers_started", {{"attempt", 1}, {"ranks", {2, 3}}}),
   });

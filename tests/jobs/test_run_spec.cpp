@@ -137,6 +137,22 @@ TEST(BatchScript, SparesAndFixedSize) {
   EXPECT_EQ(text.find("#SBATCH --signal"), std::string::npos) << text;
 }
 
+TEST(BatchScript, UtilsJobsAreNotRequeuedAndNomemDropsTheMemoryRequest) {
+  // a utils job does not checkpoint: a time-limit signal and requeue would restart it from scratch
+  const auto text = batch_script(parse_run({"utils.sh", "sleep", "600"}), context());
+  EXPECT_EQ(text.find("#SBATCH --requeue"), std::string::npos) << text;
+  EXPECT_EQ(text.find("#SBATCH --signal"), std::string::npos) << text;
+  const auto mem = parse_run({"-cfg", "nomem=True", "dist.ddp", "--memMB", "1000", "--script", "t.py"});
+  EXPECT_EQ(batch_script(mem, context()).find("#SBATCH --mem"), std::string::npos);
+  const auto with_mem = parse_run({"dist.ddp", "--memMB", "1000", "--script", "t.py"});
+  EXPECT_NE(batch_script(with_mem, context()).find("#SBATCH --mem=1000M\n"), std::string::npos);
+}
+
+TEST(BatchScript, ANewlineInAnArgumentStaysInsideTheHeaderComment) {
+  const auto text = batch_script(parse_run({"utils.python", "-c", "import os\nprint(1)"}), context());
+  EXPECT_NE(text.find("#   elastrun run utils.python -c 'import os\\nprint(1)'\n"), std::string::npos) << text;
+}
+
 TEST(BatchScript, UtilsShRunsUnderOneAgent) {
   const auto s = parse_run({"utils.sh", "echo", "a b"});
   const auto words = agent_words(s, "python3");
