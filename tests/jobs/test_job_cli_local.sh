@@ -67,7 +67,7 @@ test_expect_success 'cancel: the workers checkpoint and stop, the state is CANCE
   [[ $("$elastrun" status --json "$h" | /usr/bin/python3 -c 'import json,sys; print(json.load(sys.stdin)["state"])') == RUNNING ]] \
     || fail "not RUNNING"
   pid=$(json "$out/index/local/${h##*/}/local.json" 'd["pid"]')
-    "$elastrun" cancel --timeout 60 "$h" >cancel.txt 2>&1 || fail "cancel: $(cat cancel.txt)"
+  "$elastrun" cancel --timeout 60 "$h" >cancel.txt 2>&1 || fail "cancel: $(cat cancel.txt)"
   grep -q 'the workers checkpointed first' cancel.txt || fail "cancel: $(cat cancel.txt)"
   "$elastrun" log "$h" | grep -q 'rank 1 checkpointed' || fail "no checkpoint: $("$elastrun" log "$h")"
   wait_for 10 exited "$pid" || fail "the agent $pid still runs"
