@@ -26,6 +26,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -206,10 +207,15 @@ class Bench:
             if not victim:
                 return {"error": "could not tell which node hosts the store"}
             result["victim"] = victim
-            killed = time.time()
+            called = time.time()
             r = self.tb.call("kill-node", victim)
             if r.returncode != 0:
                 return {"error": f"kill-node {victim} failed: {r.stderr.strip()}"}
+            # the node fails at the testbed's first SIGSTOP of its processes: what kill-node does
+            # before (scanning /proc for the node's processes, in bash) is the testbed's time
+            stopped = re.search(r"stopped at ([0-9]+(?:\.[0-9]+)?)", r.stderr)
+            killed = float(stopped.group(1)) if stopped else called
+            result["kill_scan_s"] = killed - called
             restarted = self.wait_for(out, "start.x.*.6.*", 6, proc, self.args.bound)
             if restarted:  # the launcher's share: every survivor's replacement worker started
                 result["restarted_s"] = max(v for _, v in restarted) - killed
@@ -245,6 +251,7 @@ def main():
     p.add_argument("--bound", type=float, default=90.0, help="how long to wait for a recovery (s)")
     p.add_argument("--only", default="launch,node_loss,node_loss_warm,store_loss")
     p.add_argument("--work", default=None)
+    p.add_argument("--keep-work", action="store_true", help="keep the job directories (event logs) for a look")
     args = p.parse_args()
     only = args.only.split(",")
     args.work = args.work or os.path.join(os.environ.get("TMPDIR", "/tmp"), f"elastrun-testbed-bench-{os.getpid()}")
@@ -267,7 +274,8 @@ def main():
                     raw[which].setdefault(scenario, []).append(res)
     finally:
         tb.down()
-        subprocess.run(["rm", "-rf", args.work])
+        if not args.keep_work:
+            subprocess.run(["rm", "-rf", args.work])
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)
 

@@ -12,6 +12,13 @@
 #   agent -> preloader  {"start": {"argv": [...], "env": ["K=V", ...], "cpus": [...]}} with the
 #                       worker's stdout and stderr as two descriptors (SCM_RIGHTS)
 # The preloader ends when the agent closes the socket, or with the agent (PDEATHSIG).
+#
+# Spares: a fork of a process that imported torch costs 15-20 ms here (its page tables), and a
+# re-form forks every worker of every node at once on few cores. Once the job's workers run and no
+# order came for a while, the preloader forks as many spare children as it last started workers;
+# each waits on a socket of its own for a worker's order. A start hands the order (and the two
+# descriptors) to a spare, and forks only when none is left. A spare is not a worker: its exit is
+# never reported; it dies with the preloader (PDEATHSIG).
 import ctypes
 import importlib
 import json
@@ -25,6 +32,11 @@ PR_SET_PDEATHSIG = 1
 _TORCH_FIXED_SEED = 67280421310721  # c10's default_rng_seed_val
 _libc = ctypes.CDLL(None, use_errno=True)
 _control = socket.socket(fileno=3)
+_SPARE_AFTER_IDLE_S = 2.0  # no fork for spares while a start or re-form may still be going on
+_spares = []  # (pid, socket to it): forked, waiting for a worker's order
+_spare_pids = set()  # spares not yet handed an order (their exits are not the agent's business)
+_workers = set()  # workers started and not yet reaped
+_wanted_spares = 0  # the most workers that ran at once
 
 
 def _send(message):
@@ -76,19 +88,65 @@ def _patch_store_connect():
     rendezvous._create_c10d_store = _create_c10d_store
 
 
-def _run_worker(order, stdout_fd, stderr_fd):
-    """In the forked child: become the worker `python -u ARGV...` would have been, run it, exit."""
+def _become_child():
+    """In a forked child, first: its own process group, dead with the preloader, none of its wiring."""
     os.setpgid(0, 0)
     parent = os.getppid()
     if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
         os._exit(126)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    _control.close()
+    for _, sock in _spares:  # the other spares' sockets: each must see EOF when the preloader goes
+        sock.close()
+
+
+def _fork_spare():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        _become_child()
+        try:
+            data, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 2)
+        except OSError:
+            os._exit(0)
+        if not data or len(fds) != 2:
+            os._exit(0)  # the preloader closed it: not needed
+        theirs.close()
+        _run_worker(json.loads(data), fds[0], fds[1])
+    theirs.close()
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    _spares.append((pid, ours))
+    _spare_pids.add(pid)
+
+
+def _hand_to_spare(order, fds):
+    """The order to a waiting spare: its pid, or None when there is none (or none took it)."""
+    while _spares:
+        pid, sock = _spares.pop(0)
+        try:
+            socket.send_fds(sock, [json.dumps(order).encode()], fds)
+        except OSError:  # it died: its exit stays unreported
+            sock.close()
+            continue
+        sock.close()
+        _spare_pids.discard(pid)
+        return pid
+    return None
+
+
+def _run_worker(order, stdout_fd, stderr_fd):
+    """In the forked child: become the worker `python -u ARGV...` would have been, run it, exit."""
     os.dup2(stdout_fd, 1)
     os.dup2(stderr_fd, 2)
     os.close(stdout_fd)
     os.close(stderr_fd)
-    _control.close()
     os.environ.clear()
     for entry in order["env"]:
         key, _, value = entry.partition("=")
@@ -158,10 +216,20 @@ def _reap():
             return
         if pid == 0:
             return
+        if pid in _spare_pids:  # a spare that died waiting (killed): not a worker
+            _spare_pids.discard(pid)
+            for i, (spare, sock) in enumerate(_spares):
+                if spare == pid:
+                    sock.close()
+                    del _spares[i]
+                    break
+            continue
+        _workers.discard(pid)
         _send({"exit": pid, "status": status})
 
 
 def main():
+    global _wanted_spares
     if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         _send({"fatal": "prctl(PR_SET_PDEATHSIG) failed"})
         sys.exit(2)
@@ -190,8 +258,17 @@ def main():
     selector = selectors.DefaultSelector()
     selector.register(_control, selectors.EVENT_READ)
     selector.register(wakeup_read, selectors.EVENT_READ)
+    last_order = time.monotonic()
     while True:
-        for key, _ in selector.select():
+        timeout = None
+        if len(_spares) < _wanted_spares:
+            timeout = max(0.0, last_order + _SPARE_AFTER_IDLE_S - time.monotonic())
+        events = selector.select(timeout)
+        if not events:  # idle: the spares for the next start or re-form
+            while len(_spares) < _wanted_spares:
+                _fork_spare()
+            continue
+        for key, _ in events:
             if key.fileobj == wakeup_read:
                 try:
                     os.read(wakeup_read, 4096)
@@ -206,22 +283,28 @@ def main():
             if not data:
                 return  # the agent closed the socket: done (its workers were stopped first)
             order = json.loads(data)["start"]
+            last_order = time.monotonic()
             if len(fds) != 2:
                 for fd in fds:
                     os.close(fd)
                 _send({"error": "a start order needs the worker's stdout and stderr descriptors"})
                 continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                _run_worker(order, fds[0], fds[1])
-            try:
-                os.setpgid(pid, pid)  # also here: the agent may signal the group before the child runs
-            except OSError:
-                pass
+            pid = _hand_to_spare(order, fds)
+            if pid is None:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:
+                    _become_child()
+                    _run_worker(order, fds[0], fds[1])
+                try:
+                    os.setpgid(pid, pid)  # also here: the agent may signal the group before the child runs
+                except OSError:
+                    pass
             for fd in fds:
                 os.close(fd)
+            _workers.add(pid)
+            _wanted_spares = max(_wanted_spares, len(_workers))
             _send({"started": pid})
             _reap()
 

@@ -114,6 +114,31 @@ PY
 grep -q "state RESTART restart 1 of 1" "$work/crash.log" || fail "no RESTART"
 CASE
 
+test_expect_success 'spares: a restart after the workers ran a while is handed to forks made before it; none left after' <<'CASE'
+PRELOAD_TEST_MODE=crash_late run late --preload=torch --max-restarts 1 || fail "exit $?: $(tail -5 "$work/late.log")"
+pre=$(preloader_pid "$work/late.log")
+/usr/bin/python3 - "$work/out" "$pre" <<'PY' || fail "the restart did not use the spares"
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/preload.late.rank*.json")]
+first = [r for r in runs if r["env"]["TORCHELASTIC_RESTART_COUNT"] == "0"]
+second = [r for r in runs if r["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"]
+assert sorted(r["env"]["RANK"] for r in second) == ["0", "1"], runs
+assert {r["ppid"] for r in runs} == {int(sys.argv[2])}, "not every worker is the preloader's child"
+assert all(r["age_s"] < 1.0 for r in first), [r["age_s"] for r in first]  # forked on the order
+assert all(r["age_s"] >= 1.0 for r in second), [r["age_s"] for r in second]  # spares, forked before
+assert second[0]["random_draw"] != second[1]["random_draw"], "two spares share random's state"
+print(f"ok: the restarted workers were spares {[round(r['age_s'], 2) for r in second]} s old")
+PY
+left() {
+  local p
+  for p in $(pgrep -f -- '--preload=MODULES'); do
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "TEST_WORKER_OUT_DIR=$work/out" && echo "$p"
+  done
+  return 0
+}
+wait_for 10 eval '[[ -z $(left) ]]' || fail "processes of the preloader left after the agent ended: $(left)"
+CASE
+
 test_expect_success 'exits: sys.exit(7) and an uncaught exception end the run as under plain python' <<'CASE'
 for mode in exit7 raise; do
   PRELOAD_TEST_MODE=$mode run "$mode-plain"

@@ -2,7 +2,8 @@
 # writes what a preloaded worker must share with a freshly started one to
 # $TEST_WORKER_OUT_DIR/preload.<run>.rank<RANK>.gen<GENERATION>.json, then all-reduces over gloo.
 # PRELOAD_TEST_MODE: exit7 -> rank 0 exits 7; raise -> rank 0 raises ValueError("boom on purpose");
-# crash_once -> rank 1 exits 3 on the first attempt; sleep -> sleeps 120 s after writing.
+# crash_once -> rank 1 exits 3 on the first attempt; crash_late -> the same after 3.5 s (the
+# preloader has forked its spares by then); sleep -> sleeps 120 s after writing.
 import json
 import os
 import random
@@ -43,6 +44,10 @@ record = {
     "pid": os.getpid(),
     "pgid": os.getpgid(0),
     "ppid": os.getppid(),
+    # how long this process has existed: a worker the preloader forked on the order is ~0 s old,
+    # one it handed to a spare forked earlier is older
+    "age_s": float(open("/proc/uptime").read().split()[0])
+    - int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK"),
 }
 run = os.environ.get("PRELOAD_TEST_RUN", "run")
 gen = os.environ.get("ELASTRUN_GENERATION", "0")
@@ -52,7 +57,10 @@ if mode == "exit7" and rank == 0:
     sys.exit(7)
 if mode == "raise" and rank == 0:
     raise ValueError("boom on purpose")
-if mode == "crash_once" and rank == 1 and not os.path.exists(f"{out}/crashed"):
+if mode in ("crash_once", "crash_late") and rank == 1 and not os.path.exists(f"{out}/crashed"):
+    if mode == "crash_late":
+        import time
+        time.sleep(3.5)
     open(f"{out}/crashed", "w").close()
     sys.exit(3)
 if mode == "sleep":
