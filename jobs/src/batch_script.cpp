@@ -90,9 +90,10 @@ std::string batch_script(const RunSpec& s, const ScriptContext& ctx) {
   out += "# Submit it again as is with `sbatch` (docs/jobs.md says what every line is for).\n";
   out += fmt::format("#SBATCH --job-name={}\n", job_name(s));
   if (ddp) {
-    const int nodes_min = s.min_nodes + s.spares;
-    out += nodes_min == nodes_max ? fmt::format("#SBATCH --nodes={}\n", nodes_max)
-                                  : fmt::format("#SBATCH --nodes={}-{}\n", nodes_min, nodes_max);
+    // MAX nodes (and the spares): Slurm gives a MIN-MAX range its minimum here (22.05), and a user
+    // of -j 2:4x8 wants 4 when there are 4; the job goes on down to MIN after losses.
+    // -cfg nodes=2-4 starts it with fewer on a busy cluster.
+    out += fmt::format("#SBATCH --nodes={}\n", nodes_max);
     out += "#SBATCH --no-kill\n";  // a lost node does not end the job
   } else {
     out += "#SBATCH --nodes=1\n";

@@ -114,7 +114,8 @@ int Agent::run() {
   const bool led_last_round = last.group_world_size > 0 && last.group_rank == 0;
   std::vector<std::string> last_members;
   if (led_last_round)
-    for (const auto& m : last.members()) last_members.push_back(m.node_name);
+    if (runtime_.metrics_on())  // parsing a roster costs at scale: only for what needs it
+      for (const auto& m : last.members()) last_members.push_back(m.node_name);
   linger_for_peers();
   // the signal thread may be requeueing (it exits the process when done): not under our feet
   std::lock_guard requeue_done(requeue_mutex_);
@@ -132,8 +133,10 @@ Transition Agent::rendezvous() {
   const auto t0 = Clock::now();
   try {
     const RoundResult* round = nullptr;
+    std::vector<std::string> last_members;
     {
       const auto& last = rdzv_->current();
+      for (const auto& m : last.members()) last_members.push_back(m.node_name);
       AgentSignals::RendezvousRequeue requeuer(signals_, last.group_world_size > 0 && last.group_rank == 0);
       round = &rdzv_->next_round();
     }
@@ -141,6 +144,10 @@ Transition Agent::rendezvous() {
     const auto formation_ms = std::chrono::duration_cast<Millis>(Clock::now() - t0).count();
     restart_count_ = rdzv_->add_to_counter("restarts", 0);
     for (const auto& m : r.members()) ever_members_.insert(m.node_name);
+    if (r.group_rank == 0)  // a lost member's metrics file: its agent cannot remove it
+      for (const auto& node : last_members)
+        if (std::none_of(r.members().begin(), r.members().end(), [&](const auto& m) { return m.node_name == node; }))
+          runtime_.forget_metrics_of(node);
     runtime_.update_status([&](NodeRuntime::Status& s) {
       s.generation = static_cast<std::int64_t>(r.generation);
       s.world_size = r.world_size;

@@ -130,6 +130,7 @@ class Agent {
   void choose_auth(bool standalone);
   void use_job_dir();  // the job directory's defaults for the event log, logs and outcome file
   void open_event_log();
+  void start_metrics();  // --metrics-dir: the node's textfile, from the event log
   void linger_for_peers();
 
   // ---- helpers of the states (agent.cpp) ----

@@ -118,6 +118,7 @@ void Agent::bootstrap() {
   spdlog::set_pattern(fmt::format("[elastrun node {}] %v", plan_.me.node_name));
   use_job_dir();
   open_event_log();
+  start_metrics();
   if (!etcd) choose_auth(standalone);
   if (!plan_.bind_note.empty() && !etcd) spdlog::warn("warning: {}", plan_.bind_note);
   if (o_.memory_checkpoints) {  // before the endpoint that serves it
@@ -221,6 +222,20 @@ void Agent::open_event_log() {
     throw UsageError(fmt::format("--events: {} ({}); give a writable path", e.what(),
                                  o_.events.empty() ? "from --log-dir" : "--events"));
   }
+}
+
+// --metrics-dir: the textfile says what the event log says (metrics.hpp), so it needs one.
+void Agent::start_metrics() {
+  if (o_.metrics_dir.empty()) return;
+  if (!events().enabled()) {
+    spdlog::warn(
+        "warning: --metrics-dir: no event log to read the metrics from (give --events or --log-dir, or "
+        "keep the Slurm job directory); no metrics file");
+    return;
+  }
+  const char* job = std::getenv("SLURM_JOB_ID");
+  runtime_.start_metrics(fs::absolute(o_.metrics_dir).string(),
+                         {job && *job ? job : plan_.run_id, plan_.me.node_name, plan_.run_id});
 }
 
 // The store (or a standby we failed over to) lives in this process: keep it up until the

@@ -26,6 +26,15 @@ void NodeRuntime::open_event_log(const std::string& path, const std::string& nod
   events_ = EventLog(path, node, run_id);
 }
 
+void NodeRuntime::start_metrics(const std::string& dir, MetricsLabels labels) {
+  try {
+    metrics_ = std::make_unique<MetricsWriter>(dir, events_.path(), std::move(labels), std::chrono::seconds(2));
+    spdlog::info("metrics for node_exporter's textfile collector: {}", metrics_->path());
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: no metrics file in {}: {}", dir, e.what());
+  }
+}
+
 void NodeRuntime::serve_endpoint(Identity identity) {
   identity_ = std::move(identity);
   const std::string address = default_node_address(static_cast<int>(::getpid()), identity_.node);

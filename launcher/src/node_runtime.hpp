@@ -27,6 +27,7 @@
 
 #include "events.hpp"
 #include "memory_segments.hpp"
+#include "metrics.hpp"
 #include "node_endpoint.hpp"
 #include "process_backend.hpp"
 #include "reaper.hpp"
@@ -58,6 +59,14 @@ class NodeRuntime {
   // Throws std::system_error naming the path (EventLog).
   void open_event_log(const std::string& path, const std::string& node, const std::string& run_id);
   EventLog& events() { return events_; }
+
+  // ---- metrics (--metrics-dir; off until started): a thread tailing the event log ----
+  void start_metrics(const std::string& dir, MetricsLabels labels);
+  bool metrics_on() const { return metrics_ != nullptr; }
+  // A lost member's file in the same directory (group rank 0 of the next round).
+  void forget_metrics_of(const std::string& node) {
+    if (metrics_) metrics_->remove_node(node);
+  }
 
   // ---- the endpoint ----
   // Serves the default address (default_node_address) for the rest of the job. Not vital: when
@@ -92,6 +101,7 @@ class NodeRuntime {
   std::chrono::milliseconds stop_grace_;
   Reaper reaper_;
   EventLog events_;
+  std::unique_ptr<MetricsWriter> metrics_;  // reads the event log's file: after it
   std::optional<Watchdog> watchdog_;
   std::optional<PreloadConfig> preload_;
   std::unique_ptr<ProcessBackend> backend_;

@@ -429,6 +429,9 @@ void declare_flags(CLI::App& app, RawFlags& raw, AgentOptions& o) {
   app.add_option("--outcome-file,--outcome_file", o.outcome_file,
                  "group rank 0 writes how the job ended here (JSON; default $ELASTRUN_OUTCOME_FILE): lets a "
                  "batch script tell success from srun's exit code after a shrink");
+  app.add_option("--metrics-dir,--metrics_dir", o.metrics_dir,
+                 "a file of Prometheus metrics for node_exporter's textfile collector here (default "
+                 "$ELASTRUN_METRICS_DIR; docs/launcher.md, Metrics)");
   app.add_option("--events", o.events,
                  "JSON-lines event log (default with --log-dir: LOG_DIR/events-NODE.jsonl); workers get it "
                  "as ELASTRUN_EVENTS_FILE");
@@ -626,6 +629,8 @@ ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::strin
   check_contradictions(raw, o);
   if (o.outcome_file.empty())
     if (const char* f = std::getenv("ELASTRUN_OUTCOME_FILE"); f && *f) o.outcome_file = f;
+  if (o.metrics_dir.empty())
+    if (const char* d = std::getenv("ELASTRUN_METRICS_DIR"); d && *d) o.metrics_dir = d;
   const char* python = std::getenv("ELASTRUN_PYTHON");
   o.python = python && *python ? python : "python3";
   return ParseOutcome::Run;

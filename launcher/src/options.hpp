@@ -93,6 +93,7 @@ struct AgentOptions {
   std::optional<std::uint64_t> memory_checkpoints;
   // --preload=MODULES: Python workers forked by a per-node preloader that imported them ("" = off)
   std::string preload;
+  std::string metrics_dir;   // --metrics-dir / $ELASTRUN_METRICS_DIR: node_exporter textfile (metrics.hpp)
   std::string outcome_file;  // --outcome-file / $ELASTRUN_OUTCOME_FILE: group rank 0 writes how the job ended
   std::string events;        // --events: the event log (default with --log-dir: <log-dir>/events-<node>.jsonl)
   StreamSpec redirects;

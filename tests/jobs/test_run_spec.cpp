@@ -119,7 +119,7 @@ TEST(BatchScript, DistDdpIsOneAgentPerNodeUnderJobStep) {
   const auto text = batch_script(s, context());
   EXPECT_EQ(text.rfind("#!/bin/bash\n", 0), 0u);
   for (const char* line :
-       {"#SBATCH --job-name=train\n", "#SBATCH --nodes=2-4\n", "#SBATCH --no-kill\n", "#SBATCH --requeue\n",
+       {"#SBATCH --job-name=train\n", "#SBATCH --nodes=4\n", "#SBATCH --no-kill\n", "#SBATCH --requeue\n",
         "#SBATCH --signal=USR1@120\n", "#SBATCH --output=/home/me/.elastrun/jobs/c1/%j/batch.out\n",
         "#SBATCH --chdir=/home/me/proj\n", "#SBATCH --partition=debug\n", "#SBATCH --mail-type=END\n",
         "export ELASTRUN_JOB_DIR=/home/me/.elastrun/jobs/c1/%j\n", "export LR=0.1\n",
