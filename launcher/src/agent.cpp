@@ -114,8 +114,7 @@ int Agent::run() {
   const bool led_last_round = last.group_world_size > 0 && last.group_rank == 0;
   std::vector<std::string> last_members;
   if (led_last_round)
-    if (runtime_.metrics_on())  // parsing a roster costs at scale: only for what needs it
-      for (const auto& m : last.members()) last_members.push_back(m.node_name);
+    for (const auto& m : last.members()) last_members.push_back(m.node_name);
   linger_for_peers();
   // the signal thread may be requeueing (it exits the process when done): not under our feet
   std::lock_guard requeue_done(requeue_mutex_);
@@ -136,7 +135,8 @@ Transition Agent::rendezvous() {
     std::vector<std::string> last_members;
     {
       const auto& last = rdzv_->current();
-      for (const auto& m : last.members()) last_members.push_back(m.node_name);
+      if (runtime_.metrics_on())  // parsing a roster costs at scale: only for what needs it
+        for (const auto& m : last.members()) last_members.push_back(m.node_name);
       AgentSignals::RendezvousRequeue requeuer(signals_, last.group_world_size > 0 && last.group_rank == 0);
       round = &rdzv_->next_round();
     }

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -56,6 +57,12 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
+// The live file's path for remove_metrics_file_now(): a fixed buffer, set before it is readable.
+char g_exit_path[4096];
+std::atomic<bool> g_exit_path_set{false};
+
+constexpr std::uintmax_t kMaxReadPerRefresh = 8u << 20;  // a long log is caught up over a few refreshes
+
 }  // namespace
 
 void MetricsState::apply(const nlohmann::json& e) {
@@ -93,8 +100,8 @@ void MetricsState::apply(const nlohmann::json& e) {
 }
 
 std::string render_metrics(const MetricsState& s, const MetricsLabels& l, double now) {
-  const std::string base = fmt::format("job=\"{}\",node=\"{}\",run_id=\"{}\"", label_value(l.job), label_value(l.node),
-                                       label_value(l.run_id));
+  const std::string base = fmt::format("job_id=\"{}\",node=\"{}\",run_id=\"{}\"", label_value(l.job_id),
+                                       label_value(l.node), label_value(l.run_id));
   // every family's HELP and TYPE, always (the same lines in every file), then its samples
   struct Family {
     const char* name;
@@ -110,9 +117,9 @@ std::string render_metrics(const MetricsState& s, const MetricsLabels& l, double
        "gauge",
        "The newest rendezvous round (generation).",
        {{"", static_cast<double>(s.generation)}}},
-      {"elastrun_restarts",
-       "gauge",
-       "Job-wide worker restarts so far (node losses are not counted).",
+      {"elastrun_restarts_total",
+       "counter",
+       "Job-wide worker restarts of this run (node losses are not counted).",
        {{"", static_cast<double>(s.restarts)}}},
       {"elastrun_node_losses_total",
        "counter",
@@ -157,8 +164,12 @@ std::string render_metrics(const MetricsState& s, const MetricsLabels& l, double
   return out;
 }
 
-std::string metrics_file_name(const std::string& job, const std::string& node) {
-  std::string name = fmt::format("elastrun-{}-{}", job, node);
+void remove_metrics_file_now() noexcept {
+  if (g_exit_path_set.load(std::memory_order_acquire)) ::unlink(g_exit_path);
+}
+
+std::string metrics_file_name(const std::string& run_id, const std::string& node) {
+  std::string name = fmt::format("elastrun-{}-{}", run_id, node);
   for (char& c : name)
     if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') c = '_';
   return name + ".prom";
@@ -168,12 +179,17 @@ MetricsWriter::MetricsWriter(std::string dir, std::string events_path, MetricsLa
                              std::chrono::milliseconds interval)
     : dir_(std::move(dir)),
       events_path_(std::move(events_path)),
-      path_((fs::path(dir_) / metrics_file_name(labels.job, labels.node)).string()),
+      path_((fs::path(dir_) / metrics_file_name(labels.run_id, labels.node)).string()),
       labels_(std::move(labels)),
       interval_(interval) {
   std::error_code ec;
   fs::create_directories(dir_, ec);
-  refresh();  // the file exists before the first round
+  if (path_.size() < sizeof g_exit_path) {
+    std::copy(path_.begin(), path_.end(), g_exit_path);
+    g_exit_path[path_.size()] = '\0';
+    g_exit_path_set.store(true, std::memory_order_release);
+  }
+  write_file();  // the file exists from the start; the thread reads the log (a requeued job's is long)
   thread_ = std::thread([this] { run(); });
 }
 
@@ -184,23 +200,23 @@ MetricsWriter::~MetricsWriter() {
   }
   wake_.notify_all();
   if (thread_.joinable()) thread_.join();
+  g_exit_path_set.store(false, std::memory_order_release);
   std::error_code ec;
   fs::remove(path_, ec);  // an ended job's file does not linger
 }
 
 void MetricsWriter::remove_node(const std::string& node) const {
   std::error_code ec;
-  fs::remove(fs::path(dir_) / metrics_file_name(labels_.job, node), ec);
+  fs::remove(fs::path(dir_) / metrics_file_name(labels_.run_id, node), ec);
 }
 
 void MetricsWriter::run() {
   std::unique_lock lock(mutex_);
   while (!stop_) {
-    wake_.wait_for(lock, interval_, [this] { return stop_; });
-    if (stop_) break;
     lock.unlock();
     refresh();
     lock.lock();
+    wake_.wait_for(lock, interval_, [this] { return stop_; });
   }
 }
 
@@ -209,9 +225,15 @@ void MetricsWriter::refresh() {
   if (std::ifstream in(events_path_, std::ios::binary); in) {
     in.seekg(0, std::ios::end);
     const auto size = static_cast<std::uintmax_t>(in.tellg());
-    if (size < offset_) offset_ = 0;  // replaced: read it again
+    if (size < offset_) {  // replaced: read it again from a clean state
+      offset_ = 0;
+      partial_.clear();
+      state_ = MetricsState{};
+    }
     in.seekg(static_cast<std::streamoff>(offset_));
-    std::string chunk((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::string chunk(std::min(size - offset_, kMaxReadPerRefresh), '\0');
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    chunk.resize(static_cast<std::size_t>(in.gcount()));
     offset_ += chunk.size();
     std::string text = partial_ + chunk;
     std::size_t start = 0;
@@ -219,24 +241,40 @@ void MetricsWriter::refresh() {
       const auto line = std::string_view(text).substr(start, end - start);
       start = end + 1;
       const auto e = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-      if (!e.is_discarded()) state_.apply(e);
+      // this run's and this node's lines: a requeued job's log holds its earlier runs, and
+      // --events may name a file other nodes write too
+      if (e.is_discarded() || !e.is_object() || e.value("run_id", "") != labels_.run_id ||
+          e.value("node", "") != labels_.node)
+        continue;
+      state_.apply(e);
     }
     partial_ = text.substr(start);
   }
+  write_file();
+}
+
+void MetricsWriter::write_file() {
   const std::string tmp = path_ + fmt::format(".tmp.{}", ::getpid());
+  std::error_code ec;
   {
     std::ofstream out(tmp, std::ios::trunc);
     out << render_metrics(state_, labels_, now_seconds());
+    out.close();
+    // node_exporter usually runs as its own user: readable whatever the agent's umask
+    fs::permissions(
+        tmp, fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read, ec);
     if (!out) {
+      fs::remove(tmp, ec);
       if (!warned_) spdlog::warn("warning: cannot write the metrics file {}", tmp);
       warned_ = true;
       return;
     }
   }
-  std::error_code ec;
   fs::rename(tmp, path_, ec);
-  if (ec && !warned_) {
-    spdlog::warn("warning: cannot write the metrics file {}: {}", path_, ec.message());
+  if (ec) {
+    const std::string why = ec.message();
+    fs::remove(tmp, ec);
+    if (!warned_) spdlog::warn("warning: cannot write the metrics file {}: {}", path_, why);
     warned_ = true;
   }
 }

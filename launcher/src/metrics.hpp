@@ -42,15 +42,19 @@ struct MetricsState {
 };
 
 struct MetricsLabels {
-  std::string job, node, run_id;
+  std::string job_id, node, run_id;  // `job_id`, not `job`: Prometheus gives `job` to the scrape target
 };
 
 // The file's text at `now` (Unix seconds). Pure.
 std::string render_metrics(const MetricsState& state, const MetricsLabels& labels, double now);
 
-// The file's name for a job and node: elastrun-<job>-<node>.prom (characters outside
-// [A-Za-z0-9_.-] as '_').
-std::string metrics_file_name(const std::string& job, const std::string& node);
+// The file's name for a run and node: elastrun-<run id>-<node>.prom (characters outside
+// [A-Za-z0-9_.-] as '_'; the run id holds the job id, and two runs in one allocation differ).
+std::string metrics_file_name(const std::string& run_id, const std::string& node);
+
+// Removes the running writer's file at once: async-signal-safe, for the agent's _exit paths
+// (signals.cpp), where no destructor runs.
+void remove_metrics_file_now() noexcept;
 
 // The thread that tails `events_path` and rewrites `dir/metrics_file_name(...)` every `interval`
 // (and at once when asked); the file is removed when it stops. Failures are one warning each.
@@ -69,6 +73,7 @@ class MetricsWriter {
  private:
   void run();
   void refresh();
+  void write_file();
 
   std::string dir_, events_path_, path_;
   MetricsLabels labels_;

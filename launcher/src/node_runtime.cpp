@@ -123,7 +123,7 @@ nlohmann::json NodeRuntime::status_reply() const {
 
 ProcessBackend& NodeRuntime::process_backend() {
   if (!backend_) {
-    watchdog_.emplace(stop_grace_);
+    watchdog_.emplace(stop_grace_, metrics_ ? metrics_->path() : std::string());
     reaper_.own(watchdog_->pid(), [](pid_t pid, int status) {
       spdlog::error(
           "error: the worker watchdog (pid {}) ended ({} {}): workers are no longer ended if the agent is "

@@ -191,6 +191,11 @@ class PreloadBackend final : public ProcessBackend {
     if (pid == 0) {
       ::setpgid(0, 0);  // not in the agent's group: a terminal's Ctrl-C is the agent's to handle
       if (::prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || ::getppid() != parent) ::_exit(126);
+      // the agent's threads block the signals its signal thread waits for; an exec keeps the
+      // mask, so without this every worker forked by the preloader had SIGTERM & co. blocked
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
       if (theirs.get() != 3 && ::dup2(theirs.get(), 3) < 0) ::_exit(126);
       ::fcntl(3, F_SETFD, 0);
       ::close_range(4, ~0U, 0);

@@ -88,10 +88,10 @@ def _patch_store_connect():
     rendezvous._create_c10d_store = _create_c10d_store
 
 
-def _become_child():
-    """In a forked child, first: its own process group, dead with the preloader, none of its wiring."""
+def _become_child(parent):
+    """In a forked child, first: its own process group, dead with the preloader (`parent`, its pid
+    taken before the fork: a death in between is seen), none of its wiring."""
     os.setpgid(0, 0)
-    parent = os.getppid()
     if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0 or os.getppid() != parent:
         os._exit(126)
     signal.set_wakeup_fd(-1)
@@ -102,21 +102,35 @@ def _become_child():
 
 
 def _fork_spare():
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    """One more spare; False when the system refuses (no process or descriptor to spare: the
+    workers forked on their orders instead, as without spares)."""
+    try:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError:
+        return False
     sys.stdout.flush()
     sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError:
         ours.close()
-        _become_child()
-        try:
-            data, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 2)
-        except OSError:
-            os._exit(0)
-        if not data or len(fds) != 2:
-            os._exit(0)  # the preloader closed it: not needed
         theirs.close()
-        _run_worker(json.loads(data), fds[0], fds[1])
+        return False
+    if pid == 0:
+        try:
+            ours.close()
+            _become_child(parent)
+            try:
+                data, fds, _, _ = socket.recv_fds(theirs, 1 << 20, 2)
+            except OSError:
+                os._exit(0)
+            if not data or len(fds) != 2:
+                os._exit(0)  # the preloader closed it: not needed
+            theirs.close()
+            _run_worker(json.loads(data), fds[0], fds[1])
+        finally:
+            os._exit(1)  # never back into the preloader's loop
     theirs.close()
     try:
         os.setpgid(pid, pid)
@@ -124,6 +138,7 @@ def _fork_spare():
         pass
     _spares.append((pid, ours))
     _spare_pids.add(pid)
+    return True
 
 
 def _hand_to_spare(order, fds):
@@ -264,9 +279,9 @@ def main():
         if len(_spares) < _wanted_spares:
             timeout = max(0.0, last_order + _SPARE_AFTER_IDLE_S - time.monotonic())
         events = selector.select(timeout)
-        if not events:  # idle: the spares for the next start or re-form
-            while len(_spares) < _wanted_spares:
-                _fork_spare()
+        if not events:  # idle: one more spare for the next start or re-form, then look again
+            if not _fork_spare():
+                _wanted_spares = len(_spares)  # refused: no more spares for this job
             continue
         for key, _ in events:
             if key.fileobj == wakeup_read:
@@ -293,10 +308,14 @@ def main():
             if pid is None:
                 sys.stdout.flush()
                 sys.stderr.flush()
+                parent = os.getpid()
                 pid = os.fork()
                 if pid == 0:
-                    _become_child()
-                    _run_worker(order, fds[0], fds[1])
+                    try:
+                        _become_child(parent)
+                        _run_worker(order, fds[0], fds[1])
+                    finally:
+                        os._exit(1)
                 try:
                     os.setpgid(pid, pid)  # also here: the agent may signal the group before the child runs
                 except OSError:

@@ -9,6 +9,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "metrics.hpp"
 #include "workers.hpp"
 
 namespace elastrun::launcher {
@@ -61,6 +62,7 @@ void AgentSignals::handle(int sig) {
     case SignalAction::Exit:
       spdlog::info("received {}: no workers running; exiting {}", signal_name(sig), 128 + sig);
       spdlog::default_logger()->flush();
+      remove_metrics_file_now();  // no destructor runs on this way out
       ::_exit(128 + sig);
     case SignalAction::CheckpointStop: {
       int none = 0;

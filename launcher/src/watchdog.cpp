@@ -98,7 +98,8 @@ int signal_tagged(const char* entry, std::size_t entry_length, int sig) {
 
 // The watchdog process. Runs after fork() in a process that may have had threads: only
 // async-signal-safe calls (read, kill, nanosleep, write, open, getdents64, _exit), no allocation.
-[[noreturn]] void watchdog_main(int fd, long grace_ms, const char* tag, std::size_t tag_length) {
+[[noreturn]] void watchdog_main(int fd, long grace_ms, const char* tag, std::size_t tag_length,
+                                const char* remove_at_end) {
   static pid_t groups[kMaxGroups];
   int count = 0;
   Message m{};
@@ -114,6 +115,7 @@ int signal_tagged(const char* entry, std::size_t entry_length, int sig) {
         if (groups[i] == m.process_group) groups[i] = groups[--count];
     }
   }
+  if (*remove_at_end) ::unlink(remove_at_end);  // the agent's metrics file: it reports a live agent
   const auto alive = [&] {
     int left = 0;
     for (int i = 0; i < count; ++i) left += ::kill(-groups[i], 0) == 0;
@@ -136,9 +138,10 @@ int signal_tagged(const char* entry, std::size_t entry_length, int sig) {
 
 }  // namespace
 
-Watchdog::Watchdog(std::chrono::milliseconds grace)
+Watchdog::Watchdog(std::chrono::milliseconds grace, std::string remove_at_end)
     : environment_entry_(
-          fmt::format("{}={}-{:016x}", kTagVariable, ::getpid(), std::random_device{}() * 0x9E3779B97F4A7C15ULL)) {
+          fmt::format("{}={}-{:016x}", kTagVariable, ::getpid(), std::random_device{}() * 0x9E3779B97F4A7C15ULL)),
+      remove_at_end_(std::move(remove_at_end)) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) throw std::system_error(errno, std::generic_category(), "pipe2");
   util::UniqueFd read_end(fds[0]), write_end(fds[1]);
@@ -160,7 +163,7 @@ Watchdog::Watchdog(std::chrono::milliseconds grace)
     if (fd != 3 && ::dup2(fd, 3) >= 0) fd = 3;
     ::close_range(fd + 1, ~0U, 0);  // stdin/stdout/stderr stay (the message goes to stderr)
     if (fd > 3) ::close_range(3, fd - 1, 0);
-    watchdog_main(fd, grace_ms, environment_entry_.c_str(), environment_entry_.size());
+    watchdog_main(fd, grace_ms, environment_entry_.c_str(), environment_entry_.size(), remove_at_end_.c_str());
   }
   pipe_ = std::move(write_end);
 }

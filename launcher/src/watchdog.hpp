@@ -6,7 +6,8 @@
 // what the worker started in its group (`sh -c 'train ...; echo done'`); and every process whose
 // environment carries this agent's tag (environment_entry(), given to every worker) gets the
 // same signals -- what a worker started in a session or group of its own (setsid, a daemon's
-// double fork) inherits the tag. A future per-node preloader registers the groups of the
+// double fork) inherits the tag. It also removes the agent's --metrics-dir file, which must not
+// report a dead agent as up. A future per-node preloader registers the groups of the
 // processes it forks the same way and passes the tag on.
 #pragma once
 
@@ -22,8 +23,9 @@ namespace elastrun::launcher {
 
 class Watchdog {
  public:
-  // Forks the watchdog process; throws std::system_error.
-  explicit Watchdog(std::chrono::milliseconds grace);
+  // Forks the watchdog process; throws std::system_error. `remove_at_end`: a file the agent keeps
+  // only while it lives (its --metrics-dir file), removed when the pipe ends ("" for none).
+  explicit Watchdog(std::chrono::milliseconds grace, std::string remove_at_end = {});
   ~Watchdog();  // closes the pipe (the watchdog ends what is still registered, then exits) and reaps it
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
@@ -38,6 +40,7 @@ class Watchdog {
  private:
   void send(int op, pid_t process_group);
   std::string environment_entry_;  // before the fork: the watchdog keeps its copy
+  std::string remove_at_end_;
   util::UniqueFd pipe_;
   pid_t pid_ = -1;
 };

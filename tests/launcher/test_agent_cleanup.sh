@@ -5,16 +5,20 @@ set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/agent_lib.sh"
 
-test_expect_success 'kill9: kill -9 of the agent: no worker survives (checked by PID)' <<'CASE'
-TEST_WORKER_SLEEP=60 "$elastrun" --standalone --nproc-per-node 3 "$worker" >"$work/stdout" 2>"$work/stderr" &
+test_expect_success 'kill9: kill -9 of the agent: no worker survives (checked by PID), no metrics file lingers' <<'CASE'
+rm -rf "$work/prom"
+TEST_WORKER_SLEEP=60 "$elastrun" --standalone --nproc-per-node 3 --events "$work/events.jsonl" --metrics-dir "$work/prom" \
+  "$worker" >"$work/stdout" 2>"$work/stderr" &
 agent_pid=$!
 track_pid "$agent_pid"
 wait_for -i 0.1 10 have_files 3 "$work/out/pids/*"
 [[ $(ls "$work/out/pids" | wc -l) -eq 3 ]] || fail "3 workers did not start"
+have_files 1 "$work/prom/elastrun-standalone-*.prom" || fail "no metrics file: $(ls "$work/prom")"
 stop_pid "$agent_pid"
 wait_for -i 0.1 5 no_alive_workers
 [[ -z $(alive_workers) ]] || fail "workers alive 5 s after kill -9 of the agent: $(alive_workers)"
-echo "ok: kill -9 of the agent leaves no worker"
+wait_for -i 0.1 5 eval '[[ -z $(ls "$work/prom") ]]' || fail "left in the metrics directory: $(ls "$work/prom")"
+echo "ok: kill -9 of the agent leaves no worker and no metrics file (its watchdog removed it)"
 CASE
 
 test_expect_success 'sigterm: SIGTERM to the agent: workers stopped, exit 143' <<'CASE'

@@ -49,6 +49,7 @@ for rank in ("0", "1"):
     assert a["helper"] == b["helper"] == 42
     assert a["torch_threads"] == b["torch_threads"] == 1, (a["torch_threads"], b["torch_threads"])  # OMP_NUM_THREADS=1
     assert b["pgid"] == b["pid"], "a preloaded worker leads its own process group"
+    assert a["sig_blocked"] == b["sig_blocked"] == "0000000000000000", (a["sig_blocked"], b["sig_blocked"])
     assert b["store_waits"] and not a["store_waits"], "preloaded: the c10d store client waits for rank 0's store"
     assert b["ppid"] == pre, f"rank {rank}: parent {b['ppid']}, not the preloader {pre}"
 # torch's default generator as fresh interpreters have it: one fixed seed (upstream builds) or a

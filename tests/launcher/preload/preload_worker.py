@@ -44,6 +44,8 @@ record = {
     "pid": os.getpid(),
     "pgid": os.getpgid(0),
     "ppid": os.getppid(),
+    # signals blocked at start (a fresh interpreter has none: an inherited mask keeps SIGTERM away)
+    "sig_blocked": [l.split()[1] for l in open("/proc/self/status") if l.startswith("SigBlk:")][0],
     # how long this process has existed: a worker the preloader forked on the order is ~0 s old,
     # one it handed to a spare forked earlier is older
     "age_s": float(open("/proc/uptime").read().split()[0])

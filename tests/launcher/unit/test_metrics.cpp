@@ -19,8 +19,8 @@ using nlohmann::json;
 
 namespace {
 
-json ev(double t, const char* event, json fields) {
-  json e = {{"v", 1}, {"time", t}, {"node", "n1"}, {"run_id", "7.r0"}, {"event", event}};
+json ev(double t, const char* event, json fields, const char* node = "n1", const char* run = "7.r0") {
+  json e = {{"v", 1}, {"time", t}, {"node", node}, {"run_id", run}, {"event", event}};
   e.update(fields);
   return e;
 }
@@ -47,10 +47,11 @@ TEST(Metrics, WhatTheEventLogSaysInTheExpositionFormat) {
         ev(106.2, "round", {{"generation", 2}, {"world_size", 6}, {"restart_count", 0}})})
     s.apply(e);
   const auto text = render_metrics(s, {"7", "n1", "7.r\"0"}, 110);
-  const std::string labels = "job=\"7\",node=\"n1\",run_id=\"7.r\\\"0\"";
+  const std::string labels = "job_id=\"7\",node=\"n1\",run_id=\"7.r\\\"0\"";
   EXPECT_EQ(sample_line(text, "elastrun_world_size{"), "elastrun_world_size{" + labels + "} 6");
   EXPECT_EQ(sample_line(text, "elastrun_round{"), "elastrun_round{" + labels + "} 2");
   EXPECT_EQ(sample_line(text, "elastrun_node_losses_total{"), "elastrun_node_losses_total{" + labels + "} 1");
+  EXPECT_EQ(sample_line(text, "elastrun_restarts_total{"), "elastrun_restarts_total{" + labels + "} 0");
   EXPECT_EQ(sample_line(text, "elastrun_training_step{"), "elastrun_training_step{" + labels + "} 14");
   EXPECT_EQ(sample_line(text, "elastrun_step_seconds{"), "elastrun_step_seconds{" + labels + "} 0.5");
   EXPECT_EQ(sample_line(text, "elastrun_agent_state{"), "elastrun_agent_state{" + labels + ",state=\"MONITOR\"} 1");
@@ -89,36 +90,65 @@ TEST(Metrics, WhatTheEventLogSaysInTheExpositionFormat) {
   EXPECT_EQ(headers_a, headers_b);
 }
 
-TEST(Metrics, TheWriterTailsTheLogAndRemovesItsFileAtTheEnd) {
+namespace {
+std::string read_all(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+// Polls `path` (up to 2 s) until it holds `text`; returns what it last held.
+std::string await_text(const std::string& path, const std::string& text) {
+  std::string now;
+  for (int i = 0; i < 100 && (now = read_all(path)).find(text) == std::string::npos; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return now;
+}
+}  // namespace
+
+TEST(Metrics, TheWriterTailsThisRunsLinesAndRemovesItsFileAtTheEnd) {
   TempDir dir;
   const auto log = dir.path() / "events-n1.jsonl";
-  std::ofstream(log) << ev(1, "round", {{"generation", 1}, {"world_size", 4}}).dump() << "\n"
-                     << R"({"v":1,"time":2,"event":"step","st)";  // a line still being written
+  std::ofstream(log) << ev(0.5, "round", {{"generation", 7}, {"world_size", 16}}, "n/1", "9.r-earlier").dump() << "\n"
+                     << ev(0.6, "member_lost", {{"member", "n5"}}, "n2", "9.r0").dump() << "\n"
+                     << ev(1, "round", {{"generation", 1}, {"world_size", 4}}, "n/1", "9.r0").dump() << "\n"
+                     << R"({"v":1,"time":2,"node":"n/1","run_id":"9.r0","event":"step","st)";  // being written
+  const std::string labels = "job_id=\"9\",node=\"n/1\",run_id=\"9.r0\"";
   std::string path;
   {
     MetricsWriter writer((dir.path() / "prom").string(), log.string(), {"9", "n/1", "9.r0"},
                          std::chrono::milliseconds(50));
     path = writer.path();
-    EXPECT_EQ(std::filesystem::path(path).filename(), "elastrun-9-n_1.prom");
-    std::ifstream first(path);
-    const std::string text((std::istreambuf_iterator<char>(first)), std::istreambuf_iterator<char>());
-    EXPECT_NE(text.find("} 4\n"), std::string::npos) << text;
+    EXPECT_EQ(std::filesystem::path(path).filename(), "elastrun-9.r0-n_1.prom");
+    EXPECT_TRUE(std::filesystem::exists(path)) << "no file from the start";
+    auto text = await_text(path, "elastrun_world_size{" + labels + "} 4");
+    EXPECT_NE(text.find("elastrun_world_size{" + labels + "} 4"), std::string::npos) << text;
+    EXPECT_NE(text.find("elastrun_node_losses_total{" + labels + "} 0"), std::string::npos)
+        << "another node's or run's lines were counted:\n"
+        << text;
+    EXPECT_NE(text.find("elastrun_round{" + labels + "} 1"), std::string::npos) << text;
+    EXPECT_EQ(std::filesystem::status(path).permissions() & std::filesystem::perms::others_read,
+              std::filesystem::perms::others_read);
     std::ofstream(log, std::ios::app) << R"(ep":3})"
                                       << "\n"
-                                      << ev(3, "round", {{"generation", 2}, {"world_size", 2}}).dump() << "\n";
-    std::string now;
-    for (int i = 0; i < 100 && now.find("elastrun_training_step{") == std::string::npos; ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      std::ifstream again(path);
-      now.assign((std::istreambuf_iterator<char>(again)), std::istreambuf_iterator<char>());
-    }
-    EXPECT_NE(now.find("elastrun_training_step{job=\"9\",node=\"n/1\",run_id=\"9.r0\"} 3"), std::string::npos) << now;
-    EXPECT_NE(now.find("elastrun_world_size{job=\"9\",node=\"n/1\",run_id=\"9.r0\"} 2"), std::string::npos) << now;
-    std::ofstream(dir.path() / "prom" / "elastrun-9-n3.prom") << "stale\n";
+                                      << ev(3, "round", {{"generation", 2}, {"world_size", 2}}, "n/1", "9.r0").dump()
+                                      << "\n";
+    text = await_text(path, "elastrun_training_step{" + labels + "} 3");
+    EXPECT_NE(text.find("elastrun_training_step{" + labels + "} 3"), std::string::npos) << text;
+    EXPECT_NE(text.find("elastrun_world_size{" + labels + "} 2"), std::string::npos) << text;
+    std::ofstream(dir.path() / "prom" / "elastrun-9.r0-n3.prom") << "stale\n";
     writer.remove_node("n3");
-    EXPECT_FALSE(std::filesystem::exists(dir.path() / "prom" / "elastrun-9-n3.prom"));
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "prom" / "elastrun-9.r0-n3.prom"));
   }
   EXPECT_FALSE(std::filesystem::exists(path)) << "an ended agent's file lingers";
   for (const auto& f : std::filesystem::directory_iterator(dir.path() / "prom"))
     ADD_FAILURE() << "left behind: " << f.path();
+}
+
+TEST(Metrics, TheFileIsRemovedOnTheAgentsUnwoundExitPaths) {
+  TempDir dir;
+  const auto log = dir.path() / "events.jsonl";
+  std::ofstream(log) << "";
+  MetricsWriter writer((dir.path() / "prom").string(), log.string(), {"9", "n1", "9.r0"}, std::chrono::seconds(10));
+  ASSERT_TRUE(std::filesystem::exists(writer.path()));
+  remove_metrics_file_now();  // what signals.cpp does before _exit
+  EXPECT_FALSE(std::filesystem::exists(writer.path()));
 }
