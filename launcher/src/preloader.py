@@ -37,6 +37,11 @@ _spares = []  # (pid, socket to it): forked, waiting for a worker's order
 _spare_pids = set()  # spares not yet handed an order (their exits are not the agent's business)
 _workers = set()  # workers started and not yet reaped
 _wanted_spares = 0  # the most workers that ran at once
+# Slurm signals every process of the step (--signal, scancel, preemption): the preloader is not a
+# worker and must not die of them (its workers would follow it, PDEATHSIG); it ignores them and a
+# worker gets back what the interpreter started with (a fresh interpreter's handlers)
+_STEP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+_worker_handlers = {}
 
 
 def _send(message):
@@ -158,6 +163,8 @@ def _hand_to_spare(order, fds):
 
 def _run_worker(order, stdout_fd, stderr_fd):
     """In the forked child: become the worker `python -u ARGV...` would have been, run it, exit."""
+    for sig, handler in _worker_handlers.items():
+        signal.signal(sig, handler)
     os.dup2(stdout_fd, 1)
     os.dup2(stderr_fd, 2)
     os.close(stdout_fd)
@@ -248,6 +255,9 @@ def main():
     if _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         _send({"fatal": "prctl(PR_SET_PDEATHSIG) failed"})
         sys.exit(2)
+    for sig in _STEP_SIGNALS:
+        _worker_handlers[sig] = signal.getsignal(sig)
+        signal.signal(sig, signal.SIG_IGN)
     started = time.monotonic()
     modules = [m for m in sys.argv[1].split(",") if m]
     for name in modules:

@@ -50,6 +50,7 @@ for rank in ("0", "1"):
     assert a["torch_threads"] == b["torch_threads"] == 1, (a["torch_threads"], b["torch_threads"])  # OMP_NUM_THREADS=1
     assert b["pgid"] == b["pid"], "a preloaded worker leads its own process group"
     assert a["sig_blocked"] == b["sig_blocked"] == "0000000000000000", (a["sig_blocked"], b["sig_blocked"])
+    assert a["sig_handlers"] == b["sig_handlers"], (a["sig_handlers"], b["sig_handlers"])
     assert b["store_waits"] and not a["store_waits"], "preloaded: the c10d store client waits for rank 0's store"
     assert b["ppid"] == pre, f"rank {rank}: parent {b['ppid']}, not the preloader {pre}"
 # torch's default generator as fresh interpreters have it: one fixed seed (upstream builds) or a
@@ -162,7 +163,7 @@ done
 echo "ok: exit codes and tracebacks as under plain python"
 CASE
 
-test_expect_success 'kill -9 of the agent leaves no preloader and no worker' <<'CASE'
+test_expect_success 'kill -9 of the agent leaves no preloader and no worker (and Slurm'"'"'s step signals do not end the preloader)' <<'CASE'
 PRELOAD_TEST_MODE=sleep PRELOAD_TEST_RUN=k "$elastrun" --standalone --nproc-per-node 2 --preload=torch "$script" \
   >"$work/k.log" 2>&1 &
 agent=$!
@@ -170,11 +171,43 @@ track_pid "$agent"
 wait_for -a "$agent" "the agent exited early" 60 have_files 2 "$work/out/preload.k.rank*.json" || fail "no workers"
 pre=$(preloader_pid "$work/k.log")
 [[ -n $pre ]] && kill -0 "$pre" || fail "no live preloader"
+# Slurm's --signal, scancel and preemption signal every process of the step: the preloader too
+for sig in USR1 USR2 TERM HUP INT; do kill -s "$sig" "$pre"; done
+sleep 0.5
+kill -0 "$pre" 2>/dev/null || fail "the preloader died of a step signal: $(tail -3 "$work/k.log")"
 kill -9 "$agent"
 await "$agent"
 wait_for 10 eval '! kill -0 '"$pre"' 2>/dev/null' || fail "the preloader $pre survived the agent"
 wait_for 10 eval '[[ -z $(alive_recorded_pids "$work/out/pids" "$ours") ]]' || fail "workers survived the agent"
 echo "ok: nothing left after kill -9 of the agent"
+CASE
+
+test_expect_success 'preloader killed: started again once, then the workers are exec'"'"'d, with a warning each time' <<'CASE'
+PRELOAD_TEST_MODE=sleep_twice PRELOAD_TEST_RUN=d "$elastrun" --standalone --nproc-per-node 2 --preload=torch \
+  --max-restarts 3 --monitor-interval 0.05 "$script" >"$work/d.log" 2>&1 &
+agent=$!
+track_pid "$agent"
+attempt_started() {  # ATTEMPT: both workers of that restart count wrote their record
+  (($(grep -l "\"TORCHELASTIC_RESTART_COUNT\": \"$1\"" "$work"/out/preload.d.rank*.json 2>/dev/null | wc -l) == 2))
+}
+for attempt in 0 1; do
+  wait_for -a "$agent" "the agent exited early: $(tail -3 "$work/d.log")" 120 attempt_started "$attempt" ||
+    fail "attempt $attempt did not start: $(tail -5 "$work/d.log")"
+  pre=$(grep -o 'the preloader (pid [0-9]*) imported' "$work/d.log" | tail -1 | grep -o '[0-9]*')
+  kill -9 "$pre" || fail "no preloader $pre to kill"
+done
+await "$agent" || fail "the agent exited $?: $(tail -5 "$work/d.log")"
+untrack_pid "$agent"
+(($(grep -c 'imported torch' "$work/d.log") == 2)) || fail "not exactly one restart of the preloader"
+grep -q 'ended (signal 9): starting another for the next workers' "$work/d.log" || fail "no warning for the first loss"
+grep -q 'ended (signal 9): starting workers without it from now on' "$work/d.log" || fail "no warning for the second"
+/usr/bin/python3 - "$work/out" "$agent" <<'PY' || fail "the third attempt was not exec'd by the agent"
+import glob, json, sys
+third = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/preload.d.rank*.json")]
+third = [r for r in third if r["env"]["TORCHELASTIC_RESTART_COUNT"] == "2"]
+assert len(third) == 2 and all(r["ppid"] == int(sys.argv[2]) for r in third), third
+print("ok: the preloader was started again once; after its second loss the agent exec'd the workers")
+PY
 CASE
 
 test_expect_success 'not python: --preload is ignored with a note for a program that is not a Python script' <<'CASE'

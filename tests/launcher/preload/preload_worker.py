@@ -3,10 +3,12 @@
 # $TEST_WORKER_OUT_DIR/preload.<run>.rank<RANK>.gen<GENERATION>.json, then all-reduces over gloo.
 # PRELOAD_TEST_MODE: exit7 -> rank 0 exits 7; raise -> rank 0 raises ValueError("boom on purpose");
 # crash_once -> rank 1 exits 3 on the first attempt; crash_late -> the same after 3.5 s (the
-# preloader has forked its spares by then); sleep -> sleeps 120 s after writing.
+# preloader has forked its spares by then); sleep -> sleeps 120 s after writing; sleep_twice ->
+# the same in the first two attempts only.
 import json
 import os
 import random
+import signal
 import sys
 
 import preload_helper  # from the script's own directory
@@ -46,6 +48,8 @@ record = {
     "ppid": os.getppid(),
     # signals blocked at start (a fresh interpreter has none: an inherited mask keeps SIGTERM away)
     "sig_blocked": [l.split()[1] for l in open("/proc/self/status") if l.startswith("SigBlk:")][0],
+    "sig_handlers": {s.name: str(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1,
+                                                               signal.SIGUSR2, signal.SIGHUP, signal.SIGPIPE)},
     # how long this process has existed: a worker the preloader forked on the order is ~0 s old,
     # one it handed to a spare forked earlier is older
     "age_s": float(open("/proc/uptime").read().split()[0])
@@ -65,7 +69,7 @@ if mode in ("crash_once", "crash_late") and rank == 1 and not os.path.exists(f"{
         time.sleep(3.5)
     open(f"{out}/crashed", "w").close()
     sys.exit(3)
-if mode == "sleep":
+if mode == "sleep" or (mode == "sleep_twice" and os.environ["TORCHELASTIC_RESTART_COUNT"] in ("0", "1")):
     import time
     time.sleep(120)
 dist.init_process_group("gloo")
