@@ -286,31 +286,22 @@ std::vector<json> read_events(const fs::path& dir) {
   return events;
 }
 
-// Whether the process `pid` still is the one that started at `start` (/proc/PID/stat field 22).
-bool process_alive(long pid, const std::string& start) {
-  std::ifstream in(fmt::format("/proc/{}/stat", pid));
-  std::string stat;
-  if (!std::getline(in, stat)) return false;
-  const auto close = stat.rfind(')');
-  if (close == std::string::npos) return false;
-  std::istringstream rest(stat.substr(close + 2));
-  std::string field;
-  for (int i = 3; i <= 22 && rest >> field; ++i)
-    if (i == 22) return field == start;
-  return false;
-}
-
+// A process's start time (/proc/PID/stat field 22), "" when it is gone: with the pid, what tells
+// the process we recorded from a later one that reused its pid.
 std::string process_start(long pid) {
   std::ifstream in(fmt::format("/proc/{}/stat", pid));
   std::string stat;
   if (!std::getline(in, stat)) return {};
   const auto close = stat.rfind(')');
+  if (close == std::string::npos) return {};
   std::istringstream rest(stat.substr(close + 2));
   std::string field;
   for (int i = 3; i <= 22 && rest >> field; ++i)
     if (i == 22) return field;
   return {};
 }
+
+bool process_alive(long pid, const std::string& start) { return !start.empty() && process_start(pid) == start; }
 
 struct StatusView {
   std::string app_state, slurm_state, outcome;
