@@ -456,9 +456,24 @@ int follow(Job job) {
 
 json spec_json(const RunSpec& spec, const std::string& handle, const ScriptContext& ctx) {
   std::string summary = spec.component;
-  if (spec.component == "dist.ddp")
-    summary += fmt::format(" -j {}{}x{}", spec.min_nodes == spec.max_nodes ? "" : fmt::format("{}:", spec.min_nodes),
-                           spec.max_nodes, spec.nproc_per_node);
+  const auto shape_text = [](const JobShape& j) {
+    return fmt::format(" -j {}{}x{}", j.min_nodes == j.max_nodes ? "" : fmt::format("{}:", j.min_nodes), j.max_nodes,
+                       j.nproc_per_node);
+  };
+  if (spec.component == "dist.ddp" && spec.het.empty())
+    summary += shape_text({spec.min_nodes, spec.max_nodes, spec.nproc_per_node});
+  json het = json::array();
+  int min_nodes = spec.min_nodes, max_nodes = spec.max_nodes;
+  if (!spec.het.empty()) {
+    summary += " --het";
+    min_nodes = max_nodes = 0;
+    for (const auto& j : spec.het) {
+      summary += shape_text(j);
+      het.push_back({{"min", j.min_nodes}, {"max", j.max_nodes}, {"nproc_per_node", j.nproc_per_node}});
+      min_nodes += j.min_nodes;
+      max_nodes += j.max_nodes;
+    }
+  }
   json env = json::object();
   for (const auto& [k, v] : spec.env) env[k] = v;
   json cfg = json::object();
@@ -471,8 +486,9 @@ json spec_json(const RunSpec& spec, const std::string& handle, const ScriptConte
           {"scheduler", spec.scheduler},
           {"cfg", cfg},
           {"env", env},
-          {"nodes", {{"min", spec.min_nodes}, {"max", spec.max_nodes}, {"spares", spec.spares}}},
+          {"nodes", {{"min", min_nodes}, {"max", max_nodes}, {"spares", spec.spares}}},
           {"nproc_per_node", spec.nproc_per_node},
+          {"het", het},
           {"script", spec.script},
           {"module", spec.module},
           {"command", spec.command},
@@ -490,12 +506,6 @@ std::string cfg_value(const RunSpec& spec, const std::string& key) {
   for (const auto& [k, value] : spec.cfg)
     if (k == key) v = value;
   return v;
-}
-
-std::string replace_id(std::string text, const std::string& id) {
-  for (auto at = text.find("%j"); at != std::string::npos; at = text.find("%j", at + id.size()))
-    text.replace(at, 2, id);
-  return text;
 }
 
 int run_on_slurm(const RunSpec& spec, ScriptContext ctx) {
@@ -536,7 +546,7 @@ int run_on_slurm(const RunSpec& spec, ScriptContext ctx) {
                                            : fmt::format("{}; job {} left on hold ({}): scancel {}", why, id, err, id));
   };
   try {
-    const fs::path dir = replace_id(ctx.job_dir, id);
+    const fs::path dir = launcher::replace_job_id(ctx.job_dir, id);
     make_fresh_job_dir(dir);
     fs::rename(file, dir / "job.sbatch", ec);
     if (ec) {
@@ -566,8 +576,8 @@ int run_locally(RunSpec spec, ScriptContext ctx) {
   const std::string dir_setting = cfg_value(spec, "job_dir");
   std::string dir_pattern = dir_setting;
   if (!dir_pattern.empty() && dir_pattern.find("%j") == std::string::npos) dir_pattern += "/%j";
-  const fs::path dir =
-      dir_setting.empty() ? index_dir() / "local" / app_id : fs::absolute(replace_id(dir_pattern, app_id));
+  const fs::path dir = dir_setting.empty() ? index_dir() / "local" / app_id
+                                           : fs::absolute(launcher::replace_job_id(dir_pattern, app_id));
   ctx.job_dir = dir.string();
   if (spec.component == "dist.ddp") {  // the same world on one machine
     spec.nproc_per_node *= spec.max_nodes;
@@ -659,7 +669,8 @@ const char* kRunHelp =
     "                --max_retries N (requeues of the job after a failure: TorchX's meaning; default 0),\n"
     "                --max-restarts N (the agent's in-job worker restarts), --checkpoint-dir DIR, --spares N,\n"
     "                --preload MODULES, --memory-checkpoints[=BYTES], --signal SIG@SECONDS (checkpoint before\n"
-    "                the time limit; default USR1@120; none: off), --cpu N, --gpu N, --memMB N, --name NAME\n"
+    "                the time limit; default USR1@120; none: off), --cpu N, --gpu N, --memMB N, --name NAME,\n"
+    "                --het -j SHAPE -j SHAPE...: a heterogeneous job, one component per -j (ranks in that order)\n"
     "  utils.python  one Python process: --script FILE, -m MODULE or -c CODE, --env, --name\n"
     "  utils.sh      one shell command: utils.sh COMMAND [ARGS...]\n"
     "\n"
@@ -909,9 +920,27 @@ std::vector<RankLog> rank_logs(const fs::path& dir) {
   return logs;
 }
 
+// --since: a duration back from now (90s, 10m, 2h, 1d; a bare number is seconds) or a time,
+// YYYY-MM-DDTHH:MM[:SS] (a space for the T works too) in local time, or UTC with a trailing Z.
 double parse_since(const std::string& text) {
-  const auto bad = Failure(kExitUsage, fmt::format("bad --since '{}': a duration such as 90s, 10m or 2h", text));
+  const auto bad =
+      Failure(kExitUsage, fmt::format("bad --since '{}': a duration such as 90s, 10m or 2h, or a time such as "
+                                      "2026-12-07T09:30 (local; add Z for UTC)",
+                                      text));
   if (text.empty()) throw bad;
+  if (text.size() >= 16 && text[4] == '-' && (text[10] == 'T' || text[10] == ' ')) {
+    const bool utc = text.back() == 'Z';
+    std::tm tm{};
+    const std::string when = text.substr(0, text.size() - (utc ? 1 : 0));
+    const char* end = strptime(when.c_str(), "%Y-%m-%dT%H:%M", &tm);
+    if (!end) end = strptime(when.c_str(), "%Y-%m-%d %H:%M", &tm);
+    if (end && *end == ':') end = strptime(end, ":%S", &tm);
+    if (!end || *end != '\0') throw bad;
+    tm.tm_isdst = -1;
+    const std::time_t t = utc ? timegm(&tm) : std::mktime(&tm);
+    if (t == static_cast<std::time_t>(-1)) throw bad;
+    return static_cast<double>(t);
+  }
   const char unit = text.back();
   const double scale = unit == 's' ? 1 : unit == 'm' ? 60 : unit == 'h' ? 3600 : unit == 'd' ? 86400 : 0;
   const auto n = util::parse_integer<long>(scale > 0 ? text.substr(0, text.size() - 1) : text);
@@ -924,7 +953,8 @@ int verb_log(const std::vector<std::string>& args) {
                  "usage: elastrun log HANDLE[/ROLE[/REPLICA]] [--rank N] [--tail] [--regex R] [--since T]\n"
                  "Every worker's output, each line prefixed [rank N], from the job directory (any working\n"
                  "directory). REPLICA: a node name or its index among the job's nodes; --rank: one global\n"
-                 "rank; --since 10m: output of workers started in the last 10 minutes; --tail: follow the\n"
+                 "rank; --since 10m (or 2026-12-07T09:30, local; Z: UTC): output of workers started since\n"
+                 "then; --tail: follow the\n"
                  "job across re-forms and requeues until it ends.\n"))
     return kExitOk;
   const auto f = parse_flags(args, {"--rank", "--regex", "--since"}, {"--tail"}, "log");

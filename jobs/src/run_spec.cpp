@@ -57,6 +57,7 @@ int count_of(const std::string& text, const std::string& what, int lo) {
 void parse_component_options(Words& w, RunSpec& s) {
   const bool ddp = s.component == "dist.ddp";
   const bool python = s.component == "utils.python";
+  bool shape_given = false;  // a -j seen
   std::string v;
   while (!w.done()) {
     const std::string& word = w.peek();
@@ -86,10 +87,26 @@ void parse_component_options(Words& w, RunSpec& s) {
     if (python && w.take({"-c"}, s.code)) continue;
     if (ddp) {
       if (w.take({"-j", "--j"}, v)) {
-        const auto shape = parse_job_shape(v);
-        s.min_nodes = shape.min_nodes;
-        s.max_nodes = shape.max_nodes;
-        s.nproc_per_node = shape.nproc_per_node;
+        shape_given = true;
+        // with --het every -j is a component (a comma list is several); else the last one counts
+        std::size_t start = 0;
+        do {
+          auto end = v.find(',', start);
+          if (end == std::string::npos) end = v.size();
+          const auto shape = parse_job_shape(v.substr(start, end - start));
+          if (end < v.size() && !s.het_requested)
+            throw UsageError(fmt::format("bad -j '{}': a list of components needs --het (before -j)", v));
+          if (s.het_requested) s.het.push_back(shape);
+          s.min_nodes = s.het.empty() ? shape.min_nodes : s.het.front().min_nodes;
+          s.max_nodes = s.het.empty() ? shape.max_nodes : s.het.front().max_nodes;
+          s.nproc_per_node = s.het.empty() ? shape.nproc_per_node : s.het.front().nproc_per_node;
+          start = end + 1;
+        } while (start <= v.size());
+        continue;
+      }
+      if (w.flag({"--het"})) {
+        if (shape_given) throw UsageError("--het goes before the components' -j options");
+        s.het_requested = true;
         continue;
       }
       if (w.take({"--max_retries", "--max-retries"}, v)) {
@@ -130,8 +147,6 @@ void parse_component_options(Words& w, RunSpec& s) {
         s.mem_mb = count_of(v, "--memMB", 1);
         continue;
       }
-      if (word == "--het" || word.starts_with("--het="))
-        throw UsageError("--het (a heterogeneous job) is not supported by elastrun run yet: use sbatch/het.sbatch");
     }
     throw UsageError(
         fmt::format("unknown option '{}' for {} (see elastrun run {} --help)", word, s.component, s.component));
@@ -139,6 +154,13 @@ void parse_component_options(Words& w, RunSpec& s) {
 }
 
 void check(const RunSpec& s) {
+  if (s.het_requested) {
+    if (s.het.size() < 2)
+      throw UsageError("--het needs one -j per component, two or more (e.g. --het -j 2:3x2 -j 1x1)");
+    if (s.spares > 0)
+      throw UsageError("--spares does not go with --het: give a component more nodes than its MAX needs instead");
+    if (s.scheduler == "local") throw UsageError("--het is a Slurm heterogeneous job: not with -s local");
+  }
   if (s.component == "utils.sh") {
     if (s.command.empty()) throw UsageError("utils.sh needs a command: elastrun run utils.sh COMMAND [ARGS...]");
     return;

@@ -19,6 +19,11 @@ struct UsageError : std::runtime_error {
 
 inline constexpr const char* kComponents = "dist.ddp, utils.python, utils.sh";
 
+// -j [MIN:]MAXxNPROC: nodes MIN to MAX, NPROC workers each.
+struct JobShape {
+  int min_nodes = 1, max_nodes = 1, nproc_per_node = 1;
+};
+
 struct RunSpec {
   std::string scheduler = "slurm";  // "slurm" or "local" (alias local_cwd)
   // -cfg KEY=VALUE,...: TorchX's Slurm keys and any sbatch long option, in the order given
@@ -37,6 +42,10 @@ struct RunSpec {
 
   // dist.ddp: -j [MIN:]MAXxNPROC
   int min_nodes = 1, max_nodes = 1, nproc_per_node = 1;
+  // dist.ddp --het: a heterogeneous job, one component per -j (in order; min/max/nproc above are
+  // component 0's). Empty: a plain job.
+  std::vector<JobShape> het;
+  bool het_requested = false;       // --het seen
   int max_retries = 0;              // requeues of the job for failures (TorchX's meaning)
   std::optional<int> max_restarts;  // the agent's in-job restarts (--max-restarts)
   std::string checkpoint_dir;
@@ -54,9 +63,6 @@ struct RunSpec {
 RunSpec parse_run(const std::vector<std::string>& words);
 
 // "2:4x8" -> (2, 4, 8); "2x8" -> (2, 2, 8); "4" -> (4, 4, 1). Throws UsageError.
-struct JobShape {
-  int min_nodes, max_nodes, nproc_per_node;
-};
 JobShape parse_job_shape(const std::string& text);
 
 // "KEY=VALUE,KEY=VALUE" (a value may hold '=' but not ','); `what` names the flag in errors.

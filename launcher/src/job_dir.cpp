@@ -33,12 +33,6 @@ std::string get(const rdzv::EnvMap& env, std::string_view name) {
   return it == env.end() ? std::string() : it->second;
 }
 
-std::string replace_job_id(std::string text, const std::string& job_id) {
-  for (auto at = text.find("%j"); at != std::string::npos; at = text.find("%j", at + job_id.size()))
-    text.replace(at, 2, job_id);
-  return text;
-}
-
 // Creates `dir` (0700 for what we create) and checks we can write there; "" or the reason.
 std::string usable(const fs::path& dir) {
   std::error_code ec;
@@ -51,6 +45,12 @@ std::string usable(const fs::path& dir) {
 }
 
 }  // namespace
+
+std::string replace_job_id(std::string text, const std::string& job_id) {
+  for (auto at = text.find("%j"); at != std::string::npos; at = text.find("%j", at + job_id.size()))
+    text.replace(at, 2, job_id);
+  return text;
+}
 
 void add_index_entry(const std::string& link, const std::string& target) {
   if (link.empty()) return;

@@ -28,6 +28,9 @@ inline constexpr const char* kJobDirEnv = "ELASTRUN_JOB_DIR";
 inline constexpr const char* kIndexDirEnv = "ELASTRUN_INDEX_DIR";
 inline constexpr const char* kOutcomeFileName = "outcome.json";
 
+// `text` with every %j replaced by `job_id` (sbatch's pattern for the job id).
+std::string replace_job_id(std::string text, const std::string& job_id);
+
 // The plan for this environment; nullopt outside a Slurm job (unless ELASTRUN_JOB_DIR names a
 // directory) or with ELASTRUN_JOB_DIR=none. Pure: no file is touched.
 std::optional<JobDirPlan> plan_job_dir(const rdzv::EnvMap& env);

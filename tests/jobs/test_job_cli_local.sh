@@ -42,6 +42,11 @@ test_expect_success 'dist.ddp -j 2x2 locally: 4 ranks, log --rank and --regex, d
   grep -q 'rank 1 done' log3.txt || fail "--rank 1: $(cat log3.txt)"
   "$elastrun" log "$h" --regex 'done$' >log4.txt
   (($(wc -l <log4.txt) == 4)) || fail "--regex: $(cat log4.txt)"
+  # --since: a duration or a time (local, or UTC with Z); the workers started a moment ago
+  (($("$elastrun" log "$h" --since 1h --regex 'done$' | wc -l) == 4)) || fail "--since 1h: $("$elastrun" log "$h" --since 1h)"
+  (($("$elastrun" log "$h" --since "$(date -d '-1 hour' +%Y-%m-%dT%H:%M)" | grep -c 'done$') == 4)) \
+    || fail "--since an hour ago (local)"
+  [[ -z $("$elastrun" log "$h" --since "$(date -u -d '+1 hour' +%Y-%m-%dT%H:%M:%SZ)") ]] || fail "--since in an hour (UTC)"
   (cd / && "$elastrun" describe "$h") >describe.txt
   grep -q 'dist.ddp -j 2x2' describe.txt && grep -q 'GREETING=hi' describe.txt && grep -q 'cli_worker.py' describe.txt \
     || fail "describe: $(cat describe.txt)"
@@ -126,6 +131,8 @@ test_expect_success 'bad input: one line naming it, exit 2; an unknown handle ex
   check_refusal 2 "bad handle 'k8s://a/b'" status k8s://a/b
   check_refusal 2 "unknown option '--bogus'" log "$(cat first_handle)" --bogus
   check_refusal 2 "bad --rank 'x'" log "$(cat first_handle)" --rank x
+  check_refusal 2 "bad --since '2026-13-45T99:00'" log "$(cat first_handle)" --since 2026-13-45T99:00
+  check_refusal 2 "bad --since 'yesterday'" log "$(cat first_handle)" --since yesterday
   check_refusal 2 'takes one handle' cancel
   check_refusal 2 'takes no handle' list extra
   check_refusal 2 'takes one handle' describe a b

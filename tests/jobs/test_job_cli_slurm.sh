@@ -4,7 +4,9 @@
 #   RUNNING at world 4; log (from another directory) shows every rank's lines; describe; list;
 #   cancel -> the workers checkpoint, the job is not requeued, status CANCELLED; a short utils.sh
 #   job run --wait -> SUCCEEDED, and its status still SUCCEEDED after slurmctld forgot it
-#   (MinJobAge); Slurm's refusal of a job quoted in one line.
+#   (MinJobAge); --max_retries with scancel --signal=USR1 (the time limit's warning): checkpoint,
+#   requeue seen in status, SUCCEEDED; --het -j 2x1 -j 1x2 -> world 4, SUCCEEDED;
+#   Slurm's refusal of a job quoted in one line.
 # Usage: test_job_cli_slurm.sh   Environment: the shared testbed's (ELASTRUN_TESTBED_ENV), ELASTRUN_BIN.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
@@ -73,6 +75,40 @@ test_expect_success 'cancel: checkpoint first, no requeue, CANCELLED' <<'CASE'
   wait_for 60 ended || fail "status: $("$elastrun" status "$h")"
   [[ $(state_of "$h" requeues) == 0 ]] || fail "requeued: $("$elastrun" status "$h")"
   scontrol show job "${h##*/}" 2>/dev/null | grep -q 'Restarts=0' || fail "Slurm requeued it: $(scontrol show job "${h##*/}")"
+CASE
+
+test_expect_success '--max_retries and a time limit: checkpoint, the requeue in status, then SUCCEEDED' <<'CASE'
+  "$elastrun" run -cfg time=00:05:00 dist.ddp --max_retries 1 -j 2x1 --script "$here/cli_worker.py" -- 50 \
+    >requeue_run.txt 2>&1 || fail "run: $(cat requeue_run.txt)"
+  h=$(handle_of requeue_run.txt)
+  jobs_started+=("${h##*/}")
+  both_up() { (($("$elastrun" log "$h" | grep -c 'hello from rank [01] of 2$') == 2)); }
+  wait_for 120 both_up || fail "not started: $("$elastrun" status "$h")"
+  # what Slurm's --signal=USR1@120 sends the steps before the time limit
+  scancel --signal=USR1 "${h##*/}"
+  requeued() { [[ $(state_of "$h" requeues) == 1 ]]; }
+  wait_for 90 requeued || fail "no requeue in status: $("$elastrun" status "$h")"
+  for r in 0 1; do
+    "$elastrun" log --rank $r "$h" | grep -q "rank $r checkpointed" || fail "rank $r did not checkpoint: $("$elastrun" log "$h")"
+  done
+  timeout 300 "$elastrun" status --watch "$h" >watch.txt 2>&1 || fail "status --watch: $(tail -5 watch.txt)"
+  [[ $(state_of "$h" state) == SUCCEEDED ]] || fail "status: $("$elastrun" status "$h")"
+  [[ $(state_of "$h" requeues) == 1 ]] || fail "requeues: $("$elastrun" status "$h")"
+  (($("$elastrun" log "$h" | grep -c 'rank [01] done$') == 2)) || fail "the requeued run did not finish: $("$elastrun" log "$h")"
+  scontrol show job "${h##*/}" 2>/dev/null | grep -q 'Restarts=1' || fail "Slurm: $(scontrol show job "${h##*/}")"
+CASE
+
+test_expect_success '--het: one component per -j, all in one rendezvous (world 4)' <<'CASE'
+  "$elastrun" run --dryrun dist.ddp --het -j 2x2 -j 1x1 --script "$here/cli_worker.py" -- 5 >het.sbatch
+  sbatch --test-only het.sbatch >het_test_only.txt 2>&1 || fail "sbatch --test-only refused it: $(cat het_test_only.txt)"
+  timeout 240 "$elastrun" run --wait dist.ddp --het -j 2x1 -j 1x2 --script "$here/cli_worker.py" -- 10 \
+    >het_run.txt 2>&1 || fail "run --wait: $(cat het_run.txt)"
+  h=$(handle_of het_run.txt)
+  jobs_started+=("${h##*/}")
+  "$elastrun" log "$h" >het_log.txt
+  for r in 0 1 2 3; do grep -qx "\[rank $r\] hello from rank $r of 4" het_log.txt || fail "rank $r: $(cat het_log.txt)"; done
+  [[ $(state_of "$h" state) == SUCCEEDED ]] || fail "status: $("$elastrun" status "$h")"
+  "$elastrun" describe "$h" | grep -q -- '--het -j 2x1 -j 1x2' || fail "describe: $("$elastrun" describe "$h")"
 CASE
 
 test_expect_success "sbatch's refusal is quoted in one line" <<'CASE'

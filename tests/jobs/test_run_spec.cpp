@@ -107,7 +107,16 @@ TEST(RunSpec, EachBadLineIsOneLineNamingWhat) {
   EXPECT_NE(refusal({"dist.ddp", "--script", "a.py", "--env", "1A=2"}).find("bad --env name"), std::string::npos);
   EXPECT_NE(refusal({"dist.ddp", "--script", "a.py", "--memory-checkpoints=lots"}).find("not a size"),
             std::string::npos);
-  EXPECT_NE(refusal({"dist.ddp", "--script", "a.py", "--het", "1x1"}).find("not supported"), std::string::npos);
+  EXPECT_NE(refusal({"dist.ddp", "--script", "a.py", "--het", "-j", "1x1"}).find("two or more"), std::string::npos);
+  EXPECT_NE(refusal({"dist.ddp", "--script", "a.py", "-j", "2x1,1x1"}).find("needs --het"), std::string::npos);
+  EXPECT_NE(refusal({"dist.ddp", "--script", "a.py", "-j", "2x1", "--het", "-j", "1x1"}).find("before"),
+            std::string::npos);
+  EXPECT_NE(refusal({"dist.ddp", "--script", "a.py", "--het", "-j", "2x1,1x1", "--spares", "1"}).find("--spares"),
+            std::string::npos);
+  EXPECT_NE(refusal({"-s", "local", "dist.ddp", "--script", "a.py", "--het", "-j", "2x1,1x1"}).find("-s local"),
+            std::string::npos);
+  EXPECT_NE(refusal({"dist.ddp", "--script", "a.py", "--het", "-j", "2x1,0x1"}).find("bad -j '0x1'"),
+            std::string::npos);
   EXPECT_NE(refusal({}).find("no component"), std::string::npos);
   for (const auto& words : std::vector<std::vector<std::string>>{{"dist.dpp"}, {"dist.ddp", "-j"}, {"utils.sh"}})
     EXPECT_EQ(refusal(words).find('\n'), std::string::npos);
@@ -127,6 +136,39 @@ TEST(BatchScript, DistDdpIsOneAgentPerNodeUnderJobStep) {
         "--nproc-per-node=2", "--requeue-budget=app:0,node:0", "train.py", "--msg", "'it'\\''s'"})
     EXPECT_NE(text.find(line), std::string::npos) << line << " in\n" << text;
   EXPECT_EQ(text.find("job_dir"), std::string::npos);
+}
+
+TEST(BatchScript, HetIsOneComponentPerJAndOneStepOverAll) {
+  const auto s = parse_run({"-cfg", "partition=debug,comment=x", "dist.ddp", "--het", "-j", "2:3x2", "-j", "1x1",
+                            "--script", "train.py", "--max-restarts", "2"});
+  ASSERT_EQ(s.het.size(), 2u);
+  EXPECT_EQ(s.het[0].min_nodes, 2);
+  EXPECT_EQ(s.het[0].max_nodes, 3);
+  EXPECT_EQ(s.het[1].nproc_per_node, 1);
+  EXPECT_EQ(parse_run({"dist.ddp", "--het", "-j", "2:3x2,1x1", "--script", "t.py"}).het.size(), 2u);
+  const auto text = batch_script(s, context());
+  const auto hetjob = text.find("#SBATCH hetjob\n");
+  ASSERT_NE(hetjob, std::string::npos) << text;
+  const std::string first = text.substr(0, hetjob), second = text.substr(hetjob);
+  for (const char* line :
+       {"#SBATCH --nodes=3 --no-kill --ntasks-per-node=1\n", "#SBATCH --requeue\n", "#SBATCH --signal=USR1@120\n",
+        "#SBATCH --partition=debug\n", "#SBATCH --comment=x\n", "#SBATCH --job-name=train\n"})
+    EXPECT_NE(first.find(line), std::string::npos) << line << " in\n" << text;
+  EXPECT_NE(second.find("#SBATCH --nodes=1 --no-kill --ntasks-per-node=1\n"), std::string::npos) << text;
+  EXPECT_NE(second.find("#SBATCH --partition=debug\n"), std::string::npos) << text;  // per component
+  EXPECT_EQ(second.find("comment"), std::string::npos) << text;                      // the job's: once
+  EXPECT_EQ(second.find("--job-name"), std::string::npos) << text;
+  const std::string bounds = "\"--het-nnodes=2:$SLURM_JOB_NUM_NODES_HET_GROUP_0,1:$SLURM_JOB_NUM_NODES_HET_GROUP_1\"";
+  const auto step = text.find("job-step srun --no-kill --ntasks=\"$SLURM_JOB_NUM_NODES_HET_GROUP_0\"");
+  const auto colon = text.find(": --no-kill --ntasks=\"$SLURM_JOB_NUM_NODES_HET_GROUP_1\"");
+  ASSERT_NE(step, std::string::npos) << text;
+  ASSERT_NE(colon, std::string::npos) << text;
+  EXPECT_NE(text.find(bounds, step), std::string::npos) << text;
+  EXPECT_NE(text.find("--nproc-per-node=2", step), std::string::npos) << text;
+  EXPECT_LT(text.find("--nproc-per-node=2", step), colon) << text;
+  EXPECT_NE(text.find(bounds, colon), std::string::npos) << text;
+  EXPECT_NE(text.find("--nproc-per-node=1", colon), std::string::npos) << text;
+  EXPECT_NE(text.find("--max-restarts=2", colon), std::string::npos) << text;
 }
 
 TEST(BatchScript, SparesAndFixedSize) {
