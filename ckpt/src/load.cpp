@@ -3,9 +3,13 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <ctime>
+#include <fstream>
 #include <map>
 #include <set>
 #include <span>
@@ -525,8 +529,14 @@ RankVote attempt(const Action& action) {
   }
 }
 
+// "rank 3 (node n4)": where a rank runs, for messages about what that rank saw.
+std::string rank_on(std::size_t rank, const std::vector<std::string>& hosts) {
+  return rank < hosts.size() && !hosts[rank].empty() ? fmt::format("rank {} (node {})", rank, hosts[rank])
+                                                     : fmt::format("rank {}", rank);
+}
+
 // Rank 0's decision from every rank's attempt, broadcast to all.
-Decision decide(const std::vector<RankVote>& votes, const fs::path& path) {
+Decision decide(const std::vector<RankVote>& votes, const fs::path& path, const std::vector<std::string>& hosts) {
   Decision decision;
   for (std::size_t r = 0; r < votes.size(); ++r) {
     const auto& v = votes[r];
@@ -534,11 +544,13 @@ Decision decide(const std::vector<RankVote>& votes, const fs::path& path) {
       case RankVote::Outcome::Ok: continue;
       case RankVote::Outcome::Error:
         // A caller mistake (bad arguments, I/O refused): older steps would not fix it.
-        return Decision::fail(fmt::format("restore from {} failed on rank {}: {}", path.string(), r, v.why));
-      case RankVote::Outcome::Corrupt: decision.skipped.push_back(fmt::format("rank {}: {}", r, v.why)); break;
+        return Decision::fail(fmt::format("restore from {} failed on {}: {}", path.string(), rank_on(r, hosts), v.why));
+      case RankVote::Outcome::Corrupt:
+        decision.skipped.push_back(fmt::format("{}: {}", rank_on(r, hosts), v.why));
+        break;
       case RankVote::Outcome::Mismatch:
-        decision.skipped.push_back(fmt::format("rank {}: {}", r, v.why));
-        if (decision.mismatch.empty()) decision.mismatch = fmt::format("rank {}: {}", r, v.why);
+        decision.skipped.push_back(fmt::format("{}: {}", rank_on(r, hosts), v.why));
+        if (decision.mismatch.empty()) decision.mismatch = fmt::format("{}: {}", rank_on(r, hosts), v.why);
         break;
     }
   }
@@ -546,18 +558,63 @@ Decision decide(const std::vector<RankVote>& votes, const fs::path& path) {
   return decision;
 }
 
+std::string this_host() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return {};
+  return name;
+}
+
+// Rank 0: every rank's listing of `root` -> the steps everyone tries (rank 0's), or an error when
+// some rank sees no step at all while another sees some: that rank's `root` is another directory
+// (node-local storage, a filesystem not mounted there), and restoring there would start afresh.
+json agree_on_listing(const std::vector<std::string>& listings, const fs::path& root, std::vector<std::string>& hosts) {
+  std::vector<std::vector<std::uint64_t>> steps;
+  for (const auto& text : listings) {
+    const json j = json::parse(text);
+    hosts.push_back(j.at("host").get<std::string>());
+    steps.push_back(j.at("steps").get<std::vector<std::uint64_t>>());
+  }
+  std::size_t seeing = steps.size();
+  for (std::size_t r = 0; r < steps.size(); ++r)
+    if (!steps[r].empty()) seeing = std::min(seeing, r);
+  std::vector<std::string> blind;
+  for (std::size_t r = 0; r < steps.size() && seeing < steps.size(); ++r)
+    if (steps[r].empty()) blind.push_back(rank_on(r, hosts));
+  json decision = {{"steps", steps.empty() ? std::vector<std::uint64_t>{} : steps[0]}, {"error", ""}};
+  if (!blind.empty()) {
+    const std::size_t named = std::min<std::size_t>(blind.size(), 4);
+    std::string who = fmt::format("{}", fmt::join(blind.begin(), blind.begin() + static_cast<long>(named), ", "));
+    if (blind.size() > named) who += fmt::format(" and {} more", blind.size() - named);
+    decision["error"] = fmt::format(
+        "{} see(s) no checkpoint step under {} while {} sees {} step(s) (newest step {}): is {} on a shared "
+        "filesystem, mounted on every node? Nothing was restored",
+        who, root.string(), rank_on(seeing, hosts), steps[seeing].size(), steps[seeing].back(), root.string());
+  }
+  return decision;
+}
+
+// Rank 0 marks a step it rejected as damaged so that retention keeps it (kRejectedMarker).
+void mark_rejected(const fs::path& step_dir, const std::vector<std::string>& why) {
+  const fs::path marker = step_dir / kRejectedMarker;
+  std::ofstream out(marker, std::ios::trunc);
+  out << json{{"time", static_cast<double>(std::time(nullptr))}, {"why", why}}.dump() << "\n";
+  // best effort: a read-only or vanished directory keeps its step anyway
+}
+
 }  // namespace
 
 std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<const TensorTarget> targets,
                                             Communicator& comm, const RestoreOptions& options) {
-  // Everyone tries the same candidates in the same order: rank 0's listing.
-  std::string listing;
-  if (comm.rank() == 0) {
-    json steps = json::array();
-    for (const auto& entry : list_steps(root)) steps.push_back(entry.step);
-    listing = steps.dump();
-  }
-  std::vector<std::uint64_t> candidates = json::parse(comm.broadcast(listing)).get<std::vector<std::uint64_t>>();
+  // Everyone tries the same candidates in the same order: rank 0's listing. Every rank's own is
+  // gathered too, to refuse a restore where some rank cannot see the checkpoints at all.
+  std::vector<std::string> hosts;  // rank 0: every rank's node
+  json listing = {{"host", this_host()}, {"steps", json::array()}};
+  for (const auto& entry : list_steps(root)) listing["steps"].push_back(entry.step);
+  const std::vector<std::string> listings = comm.gather(listing.dump());
+  const json agreed =
+      json::parse(comm.broadcast(comm.rank() == 0 ? agree_on_listing(listings, root, hosts).dump() : ""));
+  if (!agreed.at("error").get<std::string>().empty()) throw CheckpointError(agreed.at("error").get<std::string>());
+  std::vector<std::uint64_t> candidates = agreed.at("steps").get<std::vector<std::uint64_t>>();
   std::reverse(candidates.begin(), candidates.end());
   if (options.max_attempts > 0 && candidates.size() > static_cast<std::size_t>(options.max_attempts)) {
     candidates.resize(static_cast<std::size_t>(options.max_attempts));
@@ -566,10 +623,11 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
   auto vote = [&](const RankVote& mine, const fs::path& path) {
     const std::vector<std::string> attempts = comm.gather(mine.encode());
     return Decision::decode(
-        comm.broadcast(comm.rank() == 0 ? decide(detail::decode_votes(attempts), path).encode() : ""));
+        comm.broadcast(comm.rank() == 0 ? decide(detail::decode_votes(attempts), path, hosts).encode() : ""));
   };
   RestoreResult result;
-  std::string first_mismatch;  // the newest step that did not fit the targets, if any
+  std::vector<std::string> rejected;  // "step-N: why on which rank" for each step rejected as damaged
+  std::string first_mismatch;         // the newest step that did not fit the targets, if any
   bool targets_touched = false;
   std::string last_copy_failure;
   for (const std::uint64_t step : candidates) {
@@ -608,6 +666,10 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
     if (decision.action == Decision::Action::Skip) {
       result.skipped.insert(result.skipped.end(), decision.skipped.begin(), decision.skipped.end());
       if (first_mismatch.empty()) first_mismatch = decision.mismatch;
+      if (decision.mismatch.empty()) {  // damage (a misfit is the caller's model, not the step's fault)
+        rejected.push_back(fmt::format("{}: {}", path.filename().string(), fmt::join(decision.skipped, "; ")));
+        if (comm.rank() == 0) mark_rejected(path, decision.skipped);
+      }
       continue;
     }
     // Phase 2: every rank's data checked out; copy into the targets.
@@ -640,6 +702,20 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
         "no checkpoint under {} fits these tensors ({}); restore into the model they were saved from, or use "
         "another checkpoint directory",
         root.string(), first_mismatch));
+  if (!rejected.empty()) {
+    // steps exist but every one tried is damaged: starting afresh would quietly throw the run away
+    // (and the next save's retention would delete its history)
+    const std::string lines = fmt::format("{}", fmt::join(rejected, "\n  "));
+    if (!options.allow_fresh_start)
+      throw CorruptCheckpointError(fmt::format(
+          "no usable checkpoint under {}: all {} step(s) tried are damaged or unreadable, nothing was restored "
+          "(fix or move them aside, or allow a fresh start):\n  {}",
+          root.string(), rejected.size(), lines));
+    if (comm.rank() == 0)
+      fmt::print(stderr,
+                 "warning: every checkpoint step under {} is damaged; starting afresh (allow_fresh_start):\n  {}\n",
+                 root.string(), lines);
+  }
   return std::nullopt;
 }
 

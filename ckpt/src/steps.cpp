@@ -207,6 +207,10 @@ void apply_retention(const fs::path& root, std::uint64_t committed, int keep_las
   const std::size_t remove_count = older.size() > keep_older ? older.size() - keep_older : 0;
   for (std::size_t i = 0; i < remove_count; ++i) {
     if (keep_every > 0 && older[i].step % keep_every == 0) continue;
+    // a step some restore could not read stays for inspection: it may be the history someone
+    // needs back once the cause (a node without the filesystem, a bad disk) is fixed
+    std::error_code ec;
+    if (fs::exists(older[i].path / kRejectedMarker, ec)) continue;
     detail::retire(root, older[i].step, older[i].path);
   }
 }

@@ -1,5 +1,11 @@
-// elastrun-ckpt: list, inspect, verify, export and compare checkpoints.
+// elastrun-ckpt: list, inspect, verify, export and compare checkpoints; import and export
+// PyTorch's formats through the Python package (elastrun.convert).
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -129,6 +135,8 @@ int command_ls(const fs::path& root) {
     if (name != elastrun::ckpt::step_directory("", entry.step).string()) {
       status += fmt::format(" (recovered copy {})", name);
     }
+    if (fs::exists(entry.path / kRejectedMarker, ec))
+      status += fmt::format(" (a restore rejected it: {}; retention keeps it)", kRejectedMarker);
     fmt::print("{:<16} {:>10} {:>6}  {}{}\n", entry.step, human_bytes(directory_bytes(entry.path)), world, status,
                name == latest ? " (latest)" : "");
   }
@@ -189,9 +197,8 @@ int command_verify(const fs::path& given) {
   return 0;
 }
 
-int command_export(const fs::path& given, const fs::path& output) {
-  Checkpoint checkpoint(resolve_step(given));
-  // Never write into a checkpoint: `--to STEP/index.h5` once overwrote the index it was reading.
+// Never write into a checkpoint: `--to STEP/index.h5` once overwrote the index it was reading.
+void refuse_output_inside(const Checkpoint& checkpoint, const fs::path& output) {
   std::error_code ec;
   const fs::path target = fs::weakly_canonical(fs::absolute(output), ec);
   const fs::path step_dir = fs::weakly_canonical(checkpoint.path(), ec);
@@ -203,6 +210,51 @@ int command_export(const fs::path& given, const fs::path& output) {
     throw CheckpointError(fmt::format("--to {}: inside the checkpoint directory {}; write the export elsewhere",
                                       output.string(), inside.string()));
   }
+}
+
+// torch.save files and DCP directories are pickles that only torch reads: this tool links no
+// torch, so `import` and `export --format torch|dcp` run `python -m elastrun.convert` in its
+// place -- $ELASTRUN_PYTHON, else the interpreter the package was built for, with the build
+// tree's package (bin/../python) first on its path when this binary runs from a build tree.
+int hand_over_to_python(const std::vector<std::string>& convert_args) {
+  const char* from_env = std::getenv("ELASTRUN_PYTHON");
+  const std::string python = from_env && *from_env ? from_env : ELASTRUN_PYTHON_EXECUTABLE;
+  std::error_code ec;
+  const fs::path package_dir = fs::read_symlink("/proc/self/exe", ec).parent_path().parent_path() / "python";
+  if (!ec && fs::exists(package_dir / "elastrun" / "convert.py", ec)) {
+    const char* old_path = std::getenv("PYTHONPATH");
+    const std::string path = old_path && *old_path ? package_dir.string() + ":" + old_path : package_dir.string();
+    if (setenv("PYTHONPATH", path.c_str(), 1) != 0) {
+      fmt::print(stderr, "elastrun-ckpt: setenv PYTHONPATH: {}\n", std::strerror(errno));
+      return 1;
+    }
+  }
+  std::vector<std::string> args{python, "-m", "elastrun.convert"};
+  args.insert(args.end(), convert_args.begin(), convert_args.end());
+  std::vector<char*> argv;
+  for (auto& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  std::fflush(stdout);
+  execvp(argv[0], argv.data());
+  fmt::print(stderr, "elastrun-ckpt: cannot run {} for this format ({}); set ELASTRUN_PYTHON to a python3 with torch\n",
+             python, std::strerror(errno));
+  return 1;
+}
+
+// The export format: --format, else from the file name (.pt/.pth/.tar: torch's), else safetensors.
+std::string export_format(const std::string& given, const fs::path& output) {
+  if (!given.empty()) return given;
+  const std::string name = output.filename().string();
+  for (const std::string_view suffix : {".pt", ".pth", ".tar"})
+    if (name.ends_with(suffix)) return "torch";
+  return "safetensors";
+}
+
+int command_export(const fs::path& given, const fs::path& output, const std::string& format) {
+  Checkpoint checkpoint(resolve_step(given));
+  refuse_output_inside(checkpoint, output);
+  if (format != "safetensors")
+    return hand_over_to_python({"export", checkpoint.path().string(), "--to", output.string(), "--format", format});
   export_safetensors(checkpoint, output);
   fmt::print("wrote {} ({} tensors, {})\n", output.string(), checkpoint.tensors().size(),
              human_bytes(checkpoint.total_bytes()));
@@ -337,7 +389,7 @@ int command_diff(const fs::path& given_a, const fs::path& given_b, double tol) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Inspect, verify and export elastrun HDF5 checkpoints", "elastrun-ckpt"};
+  CLI::App app{"Inspect, verify, export and import elastrun HDF5 checkpoints", "elastrun-ckpt"};
   app.require_subcommand(1);
   fs::path path;
   fs::path output;
@@ -349,9 +401,28 @@ int main(int argc, char** argv) {
   inspect->add_flag("--shards", show_shards, "List every shard of every tensor");
   auto* verify = app.add_subcommand("verify", "Check every shard's content hash (exit 1 if bad)");
   verify->add_option("STEP", path, "Step directory, or a checkpoint directory for latest")->required();
-  auto* export_cmd = app.add_subcommand("export", "Write the checkpoint as one safetensors file");
+  std::string format;
+  auto* export_cmd = app.add_subcommand(
+      "export", "Write the checkpoint as one safetensors file, torch.save file(s) or a DCP directory");
   export_cmd->add_option("STEP", path, "Step directory, or a checkpoint directory for latest")->required();
-  export_cmd->add_option("--to", output, "Output .safetensors file")->required();
+  export_cmd
+      ->add_option("--to", output,
+                   "Output: .safetensors file; torch.save file ({rank} in it: one file per imported rank); DCP "
+                   "directory (new)")
+      ->required();
+  export_cmd
+      ->add_option("--format", format, "safetensors, torch or dcp (default: torch for .pt/.pth/.tar, else safetensors)")
+      ->check(CLI::IsMember({"safetensors", "torch", "dcp"}));
+  std::vector<std::string> sources;
+  std::string import_to;
+  std::string import_step;
+  auto* import_cmd = app.add_subcommand(
+      "import", "Turn torch.save files (one, or one per rank) or a DCP directory into a checkpoint step");
+  import_cmd->add_option("SOURCE", sources, "torch.save file(s), or one torch.distributed.checkpoint directory")
+      ->required();
+  import_cmd->add_option("--to", import_to, "Checkpoint directory to create (or one without steps)")->required();
+  import_cmd->add_option("--step", import_step, "Step number (default: a top-level step/global_step/iteration, else 0)")
+      ->check(CLI::NonNegativeNumber);
   fs::path other;
   double tol = 1e-4;
   auto* diff = app.add_subcommand(
@@ -388,7 +459,14 @@ int main(int argc, char** argv) {
     if (*ls) return command_ls(path);
     if (*inspect) return command_inspect(path, show_shards);
     if (*verify) return command_verify(path);
-    if (*export_cmd) return command_export(path, output);
+    if (*export_cmd) return command_export(path, output, export_format(format, output));
+    if (*import_cmd) {
+      std::vector<std::string> args{"import", "--to", import_to};
+      if (!import_step.empty()) args.insert(args.end(), {"--step", import_step});
+      args.push_back("--");
+      args.insert(args.end(), sources.begin(), sources.end());
+      return hand_over_to_python(args);
+    }
   } catch (const std::exception& e) {
     std::cerr << "elastrun-ckpt: " << one_line(e.what()) << "\n";
     return 1;

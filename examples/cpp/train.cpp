@@ -94,6 +94,7 @@ struct Args {
   int fail_rank = 0;
   int threads = 1;
   int keep_last = 3;
+  bool allow_fresh_start = false;  // every checkpoint damaged: start at step 0 instead of failing
   double term_grace = 3.0;
 };
 
@@ -783,6 +784,7 @@ class Trainer {
       if (m.contains("global_batch")) (void)m.at("global_batch").get<std::uint64_t>();
       if (m.contains("world_size")) (void)m.at("world_size").get<int>();
     };
+    options.allow_fresh_start = args_.allow_fresh_start;
     auto restored = elastrun::ckpt::restore_latest(args_.ckpt_dir, targets.targets(), *comm_, options);
     if (!restored) {
       if (rank_ == 0) log("no checkpoint under {}: starting at step 0", args_.ckpt_dir);
@@ -881,6 +883,8 @@ int main(int argc, char** argv) {
                  "(a marker in --ckpt-dir)");
   app.add_option("--threads", args.threads, "intra-op threads (0: libtorch's default)")->check(CLI::NonNegativeNumber);
   app.add_option("--keep-last", args.keep_last, "checkpoints to keep (0: all)")->check(CLI::NonNegativeNumber);
+  app.add_flag("--allow-fresh-start", args.allow_fresh_start,
+               "start at step 0 when every checkpoint is damaged (default: an error, never silently)");
   app.add_option("--term-grace", args.term_grace, "after SIGTERM, exit 143 within this many seconds")
       ->check(CLI::PositiveNumber);
   try {

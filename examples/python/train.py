@@ -61,6 +61,8 @@ def parse_args(argv):
                    help="checkpoint directory (default $ELASTRUN_CHECKPOINT_DIR; empty: no checkpoints)")
     p.add_argument("--ckpt-every", type=int, default=10, help="save every N steps (0: only at the end)")
     p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep (0: all)")
+    p.add_argument("--allow-fresh-start", action="store_true",
+                   help="start at step 0 when every checkpoint is damaged (default: an error, never silently)")
     p.add_argument("--memory-every", type=int, default=0,
                    help="also snapshot into the node agent's memory every N steps (elastrun --memory-checkpoints; "
                         "0: never)")
@@ -150,7 +152,8 @@ class Trainer:
             return
         os.makedirs(self.args.ckpt_dir, exist_ok=True)
         state = self.state()
-        info = checkpoint.load(state, self.args.ckpt_dir, memory=self.memory)
+        info = checkpoint.load(state, self.args.ckpt_dir, memory=self.memory,
+                               allow_fresh_start=self.args.allow_fresh_start)
         if info is None:
             self.log(f"no checkpoint in {self.args.ckpt_dir}: starting at step 0")
             return

@@ -72,6 +72,12 @@ def _dist():
     return dist if dist.is_available() else None
 
 
+def group_initialized() -> bool:
+    """Whether a default process group exists (its store carries the votes)."""
+    dist = _dist()
+    return dist is not None and dist.is_initialized()
+
+
 def communicator(ckpt_dir: str, purpose: str, *, store: Any = None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> Any:
     """The communicator for `purpose` ("sync", or one per AsyncSaver), cached per store: every rank

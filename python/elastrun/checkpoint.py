@@ -29,6 +29,7 @@ import atexit
 import datetime
 import json
 import os
+import socket
 import struct
 import sys
 import threading
@@ -48,7 +49,7 @@ from . import _comm, _tree
 from . import memory as _memory
 from ._tree import Shard, TreeError
 
-__all__ = ["save", "load", "AsyncSaver", "Shard", "SaveInfo", "LoadInfo", "list_steps", "verify", "memory_available",
+__all__ = ["save", "load", "read", "AsyncSaver", "Shard", "SaveInfo", "LoadInfo", "list_steps", "verify", "memory_available",
            "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError", "TreeError"]
 
 CheckpointError = _core.CheckpointError
@@ -340,8 +341,8 @@ class _Plan:
 
 
 def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, missing_ok: bool = False,
-         memory: bool = True, store: Any = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT
-         ) -> Optional[LoadInfo]:
+         memory: bool = True, allow_fresh_start: bool = False, store: Any = None,
+         timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> Optional[LoadInfo]:
     """Restores the newest valid checkpoint under `ckpt_dir` into `state_dict`, in place; every rank
     calls it, at any world size.
 
@@ -360,11 +361,19 @@ def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, miss
         above. Every snapshot in this node's agent newer than the step restored (or than 0, when
         nothing is) is then dropped: an abandoned history, which retention would otherwise keep
         in place of new snapshots. Call load() before the first training step on every rank.
-    Raises CheckpointMismatchError (naming the key) if no checkpoint fits the state_dict.
+    allow_fresh_start: when steps exist but every one is damaged, return None (one warning line)
+        instead of raising CorruptCheckpointError -- by default a job never starts afresh silently.
+    Raises CheckpointMismatchError (naming the key) if no checkpoint fits the state_dict,
+    CorruptCheckpointError (one line per step) if every step is damaged, and CheckpointError naming
+    the rank and node if some rank sees no checkpoint (or no directory) while others do: a
+    node-local directory is not a checkpoint directory of the job.
     """
     ckpt_dir = os.fspath(ckpt_dir)
     tier = _memory_tier() if memory else None
-    if missing_ok and not os.path.isdir(ckpt_dir) and not (tier is not None and _votes_without_dir()):
+    # Without a process group the ranks meet through a file in ckpt_dir (its own store), so a
+    # missing directory is "no checkpoint" on its own; with one, the ranks agree on it first.
+    if missing_ok and not os.path.isdir(ckpt_dir) and not (tier is not None and _votes_without_dir()) \
+            and (store is None and not _comm.group_initialized()):
         return None
     plans: List[_Plan] = []  # the step being tried (restore stops at the one that loads)
 
@@ -376,6 +385,13 @@ def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, miss
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict (got {type(state_dict).__name__})")
         have_dir = os.path.isdir(ckpt_dir)
+        if comm.world_size > 1:
+            views = [json.loads(v) for v in _allgather(comm, {"dir": have_dir, "host": socket.gethostname()})]
+            without = [f"rank {r} (node {v['host']})" for r, v in enumerate(views) if not v["dir"]]
+            if without and len(without) < len(views):
+                raise CheckpointError(f"{', '.join(without[:4])}{' and more' if len(without) > 4 else ''}: no "
+                                      f"directory {ckpt_dir!r} there, while the other ranks have it: is it on a "
+                                      "shared filesystem, mounted on every node? Nothing was restored")
         if not have_dir and not missing_ok:
             raise FileNotFoundError(f"checkpoint directory {ckpt_dir!r} does not exist "
                                     "(create it, or pass missing_ok=True to start without a checkpoint)")
@@ -384,7 +400,7 @@ def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, miss
             if info is not None:
                 _forget_after(tier, info.step, comm)
                 return info
-        result = _core.restore(ckpt_dir, comm, targets_for, verify) if have_dir else None
+        result = _core.restore(ckpt_dir, comm, targets_for, verify, allow_fresh_start) if have_dir else None
         if tier is not None:
             _forget_after(tier, 0 if result is None else result["step"], comm)
     if result is None:
@@ -791,6 +807,31 @@ class AsyncSaver:
 def list_steps(ckpt_dir: str) -> List[Tuple[int, str]]:
     """Committed steps under `ckpt_dir`, oldest first, as (step, directory)."""
     return [(step, path) for step, path in _core.list_steps(os.fspath(ckpt_dir))]
+
+
+def read(path: str, *, verify: bool = True) -> Tuple[Dict[str, Any], LoadInfo]:
+    """The whole state of one step in this process, as ``torch.load`` would give it: every tensor
+    at its global shape (Shard slices of any world size come back whole), plain values with their
+    types. `path`: a step directory, or a checkpoint directory for its newest committed step. No
+    vote and no process group: for tools (export, inspection), not for resuming training."""
+    path = os.fspath(path)
+    step_dir = path
+    if not os.path.isfile(os.path.join(path, "index.h5")):
+        steps = list_steps(path) if os.path.isdir(path) else []
+        if not steps:
+            raise FileNotFoundError(f"{path!r} is neither a step directory (no index.h5) nor a checkpoint "
+                                    "directory with a committed step")
+        step_dir = steps[-1][1]
+    state: Dict[str, Any] = {}
+    plans: List[_Plan] = []
+
+    def targets_for(index: dict) -> list:
+        plans[:] = [_Plan(state, index)]
+        return plans[0].entries
+
+    index = _core.read_step(step_dir, targets_for, verify)
+    plans[0].finish(state)
+    return state, LoadInfo(index["step"], index["path"], plans[0].metadata)
 
 
 def verify(step_dir: str) -> List[str]:

@@ -332,10 +332,12 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "restore",
       [mismatch = py::object(mismatch_error), corrupt = py::object(corrupt_error)](
-          const std::string& root, Comm& comm, py::function targets_for, bool verify) -> py::object {
+          const std::string& root, Comm& comm, py::function targets_for, bool verify,
+          bool allow_fresh_start) -> py::object {
         std::vector<py::object> keep_alive;  // the step's target list; freed holding the GIL
         ckpt::RestoreOptions options;
         options.verify = verify;
+        options.allow_fresh_start = allow_fresh_start;
         options.targets_for = [&](const ckpt::Checkpoint& checkpoint) {
           py::gil_scoped_acquire gil;
           try {
@@ -362,7 +364,8 @@ PYBIND11_MODULE(_core, m) {
         d["skipped"] = result->skipped;
         return d;
       },
-      py::arg("root"), py::arg("comm"), py::arg("targets_for"), py::arg("verify") = true);
+      py::arg("root"), py::arg("comm"), py::arg("targets_for"), py::arg("verify") = true,
+      py::arg("allow_fresh_start") = false);
 
   m.def(
       "read_index",
@@ -371,6 +374,23 @@ PYBIND11_MODULE(_core, m) {
         return index_dict(checkpoint);
       },
       py::arg("step_dir"), "the index of one step directory (tensors, metadata)");
+
+  m.def(
+      "read_step",
+      [](const std::string& step_dir, py::function targets_for, bool verify) -> py::dict {
+        ckpt::Checkpoint checkpoint(step_dir);
+        py::list entries = targets_for(index_dict(checkpoint)).cast<py::list>();
+        const auto targets = targets_of(entries);
+        ckpt::ReadOptions options;
+        options.verify = verify;
+        {
+          py::gil_scoped_release release;
+          for (const auto& target : targets) checkpoint.read(target, options);
+        }
+        return index_dict(checkpoint);
+      },
+      py::arg("step_dir"), py::arg("targets_for"), py::arg("verify") = true,
+      "reads one step directory into targets_for(index)'s entries (one process, no vote); returns the index");
 
   m.def(
       "list_steps",

@@ -411,8 +411,51 @@ TEST(CkptVerify, TruncatedAndMissingShardsFallBack) {
   expect_restore_with_world(dir.path(), model, 2, 1);
   // A step whose index is gone is skipped too.
   fs::remove(dir.path() / "step-000000001" / "index.h5");
-  run_ranks(1, [&](int, Communicator& comm) { EXPECT_FALSE(restore_latest(dir.path(), {}, comm).has_value()); });
   EXPECT_THROW(Checkpoint(dir.path() / "step-000000001"), CorruptCheckpointError);
+  // Every step damaged: an error naming each one, never a silent fresh start...
+  run_ranks(2, [&](int, Communicator& comm) {
+    try {
+      restore_latest(dir.path(), {}, comm);
+      ADD_FAILURE() << "every step damaged, and restore started afresh";
+    } catch (const CorruptCheckpointError& e) {
+      const std::string what = e.what();
+      for (const char* step : {"step-000000003: rank", "step-000000002: rank", "step-000000001: rank"})
+        EXPECT_NE(what.find(step), std::string::npos) << step << " in " << what;
+      EXPECT_NE(what.find("all 3 step(s) tried are damaged"), std::string::npos) << what;
+      EXPECT_NE(what.find("(node "), std::string::npos) << what;
+    }
+  });
+  // ...unless asked for; and retention keeps what a restore could not read (marked).
+  RestoreOptions fresh;
+  fresh.allow_fresh_start = true;
+  run_ranks(2, [&](int, Communicator& comm) { EXPECT_FALSE(restore_latest(dir.path(), {}, comm, fresh)); });
+  for (const char* step : {"step-000000001", "step-000000002", "step-000000003"})
+    EXPECT_TRUE(fs::exists(dir.path() / step / kRejectedMarker)) << step;
+  save_world4(dir.path(), 4, model);
+  apply_retention(dir.path(), 4, 1, 0);
+  EXPECT_EQ(list_steps(dir.path()).size(), 4U) << "retention removed a step a restore had rejected";
+}
+
+// A rank whose checkpoint directory is another one (node-local storage) sees no steps: restoring
+// would start that rank afresh while the others resume. An error names the rank and its node.
+TEST(CkptRestore, ARankThatSeesNoStepWhileOthersDoIsAnError) {
+  TempDir shared, local;
+  const auto model = world4_model(750);
+  save_world4(shared.path(), 5, model);
+  run_ranks(3, [&](int rank, Communicator& comm) {
+    const fs::path root = rank == 2 ? local.path() : shared.path();
+    try {
+      restore_latest(root, {}, comm);
+      ADD_FAILURE() << "rank 2 cannot see the checkpoint and restore went on";
+    } catch (const CorruptCheckpointError&) {
+      ADD_FAILURE() << "not damage";
+    } catch (const CheckpointError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("rank 2 (node "), std::string::npos) << what;
+      EXPECT_NE(what.find("shared filesystem"), std::string::npos) << what;
+      EXPECT_NE(what.find("newest step 5"), std::string::npos) << what;
+    }
+  });
 }
 
 TEST(CkptRestore, TargetsThatFitNoStepAreAnErrorNotAFreshStart) {

@@ -140,7 +140,8 @@ TEST(CkptDamagedIndex, GarbageIndexFileIsCorruptNotACrash) {
     garbage << "\x89HDF\r\n\x1a\n this is not an HDF5 file";
   }
   EXPECT_THROW(Checkpoint(dir.path() / "step-000000001"), CorruptCheckpointError);
-  EXPECT_FALSE(restore_values(dir.path()).has_value());
+  // the only step is damaged: an error naming it, not a fresh start
+  EXPECT_THROW(restore_values(dir.path()), CorruptCheckpointError);
 }
 
 }  // namespace

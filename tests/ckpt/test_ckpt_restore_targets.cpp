@@ -43,14 +43,16 @@ TEST(CkptRestoreTargets, RejectedStepLeavesTargetsUntouched) {
         buffers.emplace_back(t.bytes.size(), std::byte{0xab});
         targets.push_back(TensorTarget::whole(t.name, t.dtype, t.shape, buffers.back().data()));
       }
-      const auto restored = restore_latest(dir.path(), targets, comm, [&] {
-        RestoreOptions o;
-        o.max_attempts = attempts;
-        return o;
-      }());
+      RestoreOptions options;
+      options.max_attempts = attempts;
+      std::optional<RestoreResult> restored;
       if (attempts == 1) {
-        // Only the damaged step was allowed: nothing restored, and nothing written.
-        EXPECT_FALSE(restored.has_value());
+        // Only the damaged step was allowed: an error (never a fresh start), and nothing written.
+        EXPECT_THROW(restored = restore_latest(dir.path(), targets, comm, options), CorruptCheckpointError);
+      } else {
+        restored = restore_latest(dir.path(), targets, comm, options);
+      }
+      if (attempts == 1) {
         for (std::size_t i = 0; i < names.size(); ++i) {
           EXPECT_TRUE(
               std::all_of(buffers[i].begin(), buffers[i].end(), [](std::byte b) { return b == std::byte{0xab}; }))

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import elastrun.checkpoint as ec
 import elastrun.memory
+from trees import same
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -81,29 +82,6 @@ def scenario_save(ckpt_dir, step):
     log("saved", info.path, info.bytes_written)
 
 
-def same(a, b, path="") -> None:
-    """Bit-exact equality of two trees with the same types (tuples stay tuples, int keys ints)."""
-    assert type(a) is type(b) or (isinstance(a, dict) and isinstance(b, dict)), \
-        f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
-        assert torch.equal(a, b), f"{path}: values differ"
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and np.array_equal(a, b), f"{path}: arrays differ"
-    elif isinstance(a, dict):
-        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a.keys())} != {list(b.keys())}"
-        for k in a:
-            same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{path}/{i}")
-    elif isinstance(a, float) and a != a:
-        assert b != b, f"{path}: nan != {b}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
 def fresh_state():
     """Another model, a fresh Adam (state {}) and scheduler, no RNG states: what a resume fills."""
     model, optim, sched = training_state(seed=99)  # other values everywhere
@@ -160,6 +138,26 @@ def check_restored(model, optim, sched, state, reference):
         m(x).pow(2).sum().backward()
         o.step()
     same(model.state_dict(), ref_model.state_dict(), "model after one more step")
+
+
+def scenario_load_imported(ckpt_dir, reference):
+    """Resume from a torch.save checkpoint that elastrun-ckpt import turned into a step (the
+    ImageNet example's keys): a fresh model and Adam at this world size get the file's values."""
+    init_group()
+    torch.manual_seed(99)  # other values everywhere; the model of test_convert.imagenet_checkpoint
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optim = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    state = {"state_dict": model.state_dict(), "optimizer": optim.state_dict()}
+    info = ec.load(state, ckpt_dir)
+    ref = torch.load(reference)
+    assert info is not None and info.metadata["epoch"] == ref["epoch"] and info.metadata["arch"] == ref["arch"], info
+    model.load_state_dict(state["state_dict"])
+    optim.load_state_dict(state["optimizer"])
+    same(model.state_dict(), ref["state_dict"], "state_dict")
+    same(optim.state_dict(), ref["optimizer"], "optimizer")
+    same(state["best_acc1"], ref["best_acc1"], "best_acc1")
+    assert state["epoch"] == ref["epoch"] and state["arch"] == ref["arch"]
+    log("resumed the imported step", info.step, "at world", WORLD)
 
 
 def scenario_memory(ckpt_dir):
@@ -283,6 +281,25 @@ def scenario_async_equals_sync(ckpt_dir):
     assert torch.equal(loaded["async"]["embedding"].local_tensor, embedding_rows(start, count)), \
         "the async checkpoint holds values changed after save() returned"
     log("async equals sync")
+
+
+def scenario_local_dir(shared, elsewhere):
+    """Rank 1 loads from another directory than its peers (what a node-local path gives): every
+    rank fails at once with one error naming rank 1's node, none starts afresh."""
+    init_group()
+    try:
+        ec.load({"w": torch.zeros(4)}, shared if RANK == 0 else elsewhere, missing_ok=True, timeout=_short())
+    except ec.CheckpointError as e:
+        assert "rank 1 (node " in str(e) and "shared filesystem" in str(e), str(e)
+        log("refused:", e)
+        return
+    raise AssertionError("a rank without the checkpoint directory loaded (or started afresh)")
+
+
+def _short():
+    import datetime
+
+    return datetime.timedelta(seconds=60)
 
 
 def scenario_mismatch(ckpt_dir):

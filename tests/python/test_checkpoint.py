@@ -153,6 +153,41 @@ def test_corrupt_shard_falls_back_to_the_previous_step(tmp_path):
     assert ec.verify(str(tmp_path / "step-000000002")) != [] and ec.verify(str(tmp_path / "step-000000001")) == []
 
 
+def damage(step_dir):
+    shard = step_dir / "shard-00000-of-00001.h5"
+    with h5py.File(shard, "r") as f:
+        offset = f["w"].id.get_offset()
+    with open(shard, "r+b") as f:
+        f.seek(offset + 100)
+        f.write(b"\xde\xad\xbe\xef")
+
+
+def test_every_step_damaged_is_an_error_not_a_fresh_start(tmp_path, capfd):
+    ec.save({"w": torch.arange(4096, dtype=torch.float32)}, tmp_path, 1)
+    ec.save({"w": torch.ones(4096)}, tmp_path, 2)
+    for step in ("step-000000001", "step-000000002"):
+        damage(tmp_path / step)
+    into = {"w": torch.zeros(4096)}
+    with pytest.raises(ec.CorruptCheckpointError) as e:
+        ec.load(into, tmp_path)
+    assert "step-000000001: rank 0" in str(e.value) and "step-000000002: rank 0" in str(e.value), str(e.value)
+    assert torch.equal(into["w"], torch.zeros(4096))
+    # asked for: a fresh start, with a warning naming the steps
+    assert ec.load(into, tmp_path, allow_fresh_start=True) is None
+    assert "starting afresh" in capfd.readouterr().err
+    # the damaged history is kept by retention (marked by the restore that rejected it)
+    ec.save({"w": torch.zeros(4096)}, tmp_path, 3, keep_last=1)
+    assert [s for s, _ in ec.list_steps(tmp_path)] == [1, 2, 3]
+
+
+def test_a_node_local_checkpoint_directory_is_an_error_naming_the_node(tmp_path):
+    ec.save({"w": torch.ones(4)}, tmp_path / "shared", 7)
+    (tmp_path / "local").mkdir()
+    # rank 1's "ckpt_dir" is another directory: empty (node-local storage), then missing
+    run_world(2, "local_dir", tmp_path / "shared", tmp_path / "local")
+    run_world(2, "local_dir", tmp_path / "shared", tmp_path / "nowhere")
+
+
 def test_one_mebibyte_of_metadata(tmp_path):
     blob = "".join(chr(ord("a") + i % 26) for i in range(1 << 20))
     ec.save({"w": torch.ones(3)}, tmp_path, 5, metadata={"blob": blob, "position": 123})

@@ -187,6 +187,10 @@ struct RestoreOptions {
   // caller allocate tensors the step holds but it lacks (a fresh optimizer's state). Throwing
   // CheckpointMismatchError or CorruptCheckpointError skips the step as a misfit or damage.
   std::function<std::vector<TensorTarget>(const Checkpoint& checkpoint)> targets_for;
+  // When step directories exist but every one tried is damaged or unreadable, restore throws
+  // CorruptCheckpointError (one line per rejected step): never a silent fresh start. With this
+  // set it returns nullopt instead, after one warning line on rank 0's stderr.
+  bool allow_fresh_start = false;
 };
 
 struct RestoreResult {
@@ -200,10 +204,18 @@ struct RestoreResult {
 // rank; falls back to older ones otherwise. Targets may use any sharding and any world size.
 // Every rank first checks (and, with verify, hashes) everything it will read; the targets are
 // written only once all ranks agreed on a step, so a rejected step leaves them untouched.
-// Returns nullopt if there is no loadable checkpoint. Throws CheckpointError if steps exist but
-// none fits the targets (CheckpointMismatchError for every one: the model changed).
+// Returns nullopt if there is no checkpoint (no step directory on any rank). Throws
+// CheckpointError if steps exist but none fits the targets (CheckpointMismatchError for every one:
+// the model changed), CorruptCheckpointError if every step tried is damaged (unless
+// options.allow_fresh_start), and CheckpointError naming the rank and node when some rank sees no
+// step while others do (a node-local directory instead of a shared filesystem). A step a restore
+// rejected as damaged gets a marker file (kRejectedMarker) that keeps retention from deleting it.
 std::optional<RestoreResult> restore_latest(const std::filesystem::path& root, std::span<const TensorTarget> targets,
                                             Communicator& comm, const RestoreOptions& options = {});
+
+// The file a restore leaves in a step directory it rejected as damaged (JSON: when, and why on
+// each rank): apply_retention never removes such a step. Remove the step by hand once inspected.
+inline constexpr const char* kRejectedMarker = "rejected-by-restore.json";
 
 // Rank-0 housekeeping (save_checkpoint calls it after committing `committed`): sets steps
 // numbered above `committed` aside as abandoned-step-<n>-<gen> (a restart from an older step
