@@ -1111,6 +1111,12 @@ int verb_cancel(const std::vector<std::string>& args) {
     if (job.slurm && app_state_of_slurm(job.slurm->state) != "SUCCEEDED" &&
         !terminal(app_state_of_slurm(job.slurm->state)))
       slurm::cancel_job(id);  // what is left: the batch script's end
+    // "cancelled" is printed once Slurm says so too: a status or list right after shows it ended
+    for (int i = 0; i < 40; ++i) {
+      job = refreshed(job);
+      if (!job.slurm || terminal(app_state_of_slurm(job.slurm->state))) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+    }
   }
   fmt::print("{} cancelled{}\n", job.handle.text(),
              outcome == "checkpointed" ? " (the workers checkpointed first)"
