@@ -567,20 +567,33 @@ std::string this_host() {
 // Rank 0: every rank's listing of `root` -> the steps everyone tries (rank 0's), or an error when
 // some rank sees no step at all while another sees some: that rank's `root` is another directory
 // (node-local storage, a filesystem not mounted there), and restoring there would start afresh.
+// "unseen": steps that some rank does not list (not marked as damaged when they fail there).
 json agree_on_listing(const std::vector<std::string>& listings, const fs::path& root, std::vector<std::string>& hosts) {
   std::vector<std::vector<std::uint64_t>> steps;
-  for (const auto& text : listings) {
-    const json j = json::parse(text);
+  std::vector<std::string> unreadable;  // ranks whose listing itself failed
+  for (std::size_t r = 0; r < listings.size(); ++r) {
+    const json j = json::parse(listings[r]);
     hosts.push_back(j.at("host").get<std::string>());
     steps.push_back(j.at("steps").get<std::vector<std::uint64_t>>());
+    if (!j.value("error", std::string()).empty())
+      unreadable.push_back(fmt::format("{}: {}", rank_on(r, hosts), j.at("error").get<std::string>()));
   }
+  if (!unreadable.empty())
+    return {{"steps", json::array()},
+            {"unseen", json::array()},
+            {"error", fmt::format("cannot list {}: {}", root.string(), fmt::join(unreadable, "; "))}};
+  std::set<std::uint64_t> unseen;
+  for (const auto& mine : steps)
+    for (const auto step : steps[0])
+      if (!std::binary_search(mine.begin(), mine.end(), step)) unseen.insert(step);
   std::size_t seeing = steps.size();
   for (std::size_t r = 0; r < steps.size(); ++r)
     if (!steps[r].empty()) seeing = std::min(seeing, r);
   std::vector<std::string> blind;
   for (std::size_t r = 0; r < steps.size() && seeing < steps.size(); ++r)
     if (steps[r].empty()) blind.push_back(rank_on(r, hosts));
-  json decision = {{"steps", steps.empty() ? std::vector<std::uint64_t>{} : steps[0]}, {"error", ""}};
+  json decision = {
+      {"steps", steps.empty() ? std::vector<std::uint64_t>{} : steps[0]}, {"unseen", unseen}, {"error", ""}};
   if (!blind.empty()) {
     const std::size_t named = std::min<std::size_t>(blind.size(), 4);
     std::string who = fmt::format("{}", fmt::join(blind.begin(), blind.begin() + static_cast<long>(named), ", "));
@@ -608,13 +621,20 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
   // Everyone tries the same candidates in the same order: rank 0's listing. Every rank's own is
   // gathered too, to refuse a restore where some rank cannot see the checkpoints at all.
   std::vector<std::string> hosts;  // rank 0: every rank's node
-  json listing = {{"host", this_host()}, {"steps", json::array()}};
-  for (const auto& entry : list_steps(root)) listing["steps"].push_back(entry.step);
-  const std::vector<std::string> listings = comm.gather(listing.dump());
+  json listing = {{"host", this_host()}, {"steps", json::array()}, {"error", ""}};
+  try {  // every rank reaches the gather: a rank that cannot list says so instead of throwing alone
+    for (const auto& entry : list_steps(root)) listing["steps"].push_back(entry.step);
+  } catch (const std::exception& e) {
+    listing["steps"] = json::array();
+    listing["error"] = e.what();
+  }
+  const auto text = [](const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); };
+  const std::vector<std::string> listings = comm.gather(text(listing));
   const json agreed =
-      json::parse(comm.broadcast(comm.rank() == 0 ? agree_on_listing(listings, root, hosts).dump() : ""));
+      json::parse(comm.broadcast(comm.rank() == 0 ? text(agree_on_listing(listings, root, hosts)) : ""));
   if (!agreed.at("error").get<std::string>().empty()) throw CheckpointError(agreed.at("error").get<std::string>());
   std::vector<std::uint64_t> candidates = agreed.at("steps").get<std::vector<std::uint64_t>>();
+  const auto unseen = agreed.at("unseen").get<std::set<std::uint64_t>>();
   std::reverse(candidates.begin(), candidates.end());
   if (options.max_attempts > 0 && candidates.size() > static_cast<std::size_t>(options.max_attempts)) {
     candidates.resize(static_cast<std::size_t>(options.max_attempts));
@@ -668,7 +688,8 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
       if (first_mismatch.empty()) first_mismatch = decision.mismatch;
       if (decision.mismatch.empty()) {  // damage (a misfit is the caller's model, not the step's fault)
         rejected.push_back(fmt::format("{}: {}", path.filename().string(), fmt::join(decision.skipped, "; ")));
-        if (comm.rank() == 0) mark_rejected(path, decision.skipped);
+        // a step some rank does not even list is a visibility problem there, not damage: no mark
+        if (comm.rank() == 0 && !unseen.contains(step)) mark_rejected(path, decision.skipped);
       }
       continue;
     }
@@ -679,6 +700,10 @@ std::optional<RestoreResult> restore_latest(const fs::path& root, std::span<cons
     });
     decision = vote(mine, path);
     if (decision.action == Decision::Action::Go) {
+      if (comm.rank() == 0) {  // readable after all (the cause was fixed): retention may retire it again
+        std::error_code ec;
+        fs::remove(path / kRejectedMarker, ec);
+      }
       result.step = step;
       result.path = path;
       result.metadata = std::move(metadata);

@@ -1034,6 +1034,16 @@ int verb_log(const std::vector<std::string>& args) {
 
 // ---- cancel ----
 
+// "cancelled" is printed once Slurm says so too: a status or list right after shows it ended
+// (bounded: about 10 s, then the caller reports what it did anyway).
+void wait_until_slurm_ended(Job& job) {
+  for (int i = 0; i < 40; ++i) {
+    job = refreshed(job);
+    if (!job.slurm || terminal(app_state_of_slurm(job.slurm->state))) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(250));
+  }
+}
+
 int verb_cancel(const std::vector<std::string>& args) {
   if (wants_help(args,
                  "usage: elastrun cancel HANDLE [--now] [--timeout SECONDS]\n"
@@ -1080,6 +1090,7 @@ int verb_cancel(const std::vector<std::string>& args) {
     if (now || !running) {
       if (auto err = slurm::cancel_job(id); !err.empty())
         throw undelivered(fmt::format("cannot cancel job {}: {}", id, err));
+      wait_until_slurm_ended(job);
       fmt::print("{} cancelled\n", job.handle.text());
       return kExitOk;
     }
@@ -1111,12 +1122,7 @@ int verb_cancel(const std::vector<std::string>& args) {
     if (job.slurm && app_state_of_slurm(job.slurm->state) != "SUCCEEDED" &&
         !terminal(app_state_of_slurm(job.slurm->state)))
       slurm::cancel_job(id);  // what is left: the batch script's end
-    // "cancelled" is printed once Slurm says so too: a status or list right after shows it ended
-    for (int i = 0; i < 40; ++i) {
-      job = refreshed(job);
-      if (!job.slurm || terminal(app_state_of_slurm(job.slurm->state))) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(250));
-    }
+    wait_until_slurm_ended(job);
   }
   fmt::print("{} cancelled{}\n", job.handle.text(),
              outcome == "checkpointed" ? " (the workers checkpointed first)"

@@ -28,6 +28,8 @@ import json
 import math
 import os
 import pickle
+import shutil
+import struct
 import sys
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -74,6 +76,16 @@ _SAFE_GLOBALS = {
     ("torch._utils", "_rebuild_parameter_with_state"): None,
     ("torch._tensor", "_rebuild_from_type_v2"): None,
 }
+
+
+def _path_text(*parts: Any) -> str:
+    """A pickled pathlib path (torch >= 2.4 keeps DCP's checkpoint_id as one) as its text."""
+    import pathlib
+
+    return str(pathlib.PurePosixPath(*[str(p) for p in parts]))
+
+
+_PATH_CLASSES = {"PosixPath", "PurePosixPath", "Path", "PurePath", "WindowsPath", "PureWindowsPath"}
 
 
 class _Refused(pickle.UnpicklingError):
@@ -131,6 +143,8 @@ class _SafeUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                          torch.memory_format)):
             return getattr(torch, name)
+        if module in ("pathlib", "pathlib._local") and name in _PATH_CLASSES:
+            return _path_text
         if module in _DCP_MODULES or (module == _TENSOR_PROPERTIES[0] and name in _TENSOR_PROPERTIES[1]):
             return _record_type(name)
         if module in ("numpy.core.multiarray", "numpy._core.multiarray", "numpy") and name in _NUMPY_GLOBALS:
@@ -172,7 +186,8 @@ def _torch_load(source: Any, what: str) -> Any:
     except _Refused as e:
         raise ConvertError(f"{what}: {e}; re-save it with torch.save of a state made of tensors, dicts, lists and "
                            "plain values") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, KeyError) as e:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError, KeyError, TypeError,
+            AttributeError, IndexError) as e:
         raise ConvertError(f"{what}: not a file torch.save wrote ({type(e).__name__}: {one_line(str(e))})") from None
 
 
@@ -233,6 +248,15 @@ def read_dcp(path: str) -> Dict[str, Any]:
                                f"'{fqn}')")
         return data, f"{name} ('{fqn}')"
 
+    try:
+        flat = _read_dcp_items(path, meta, item_bytes)
+        paths = meta.planner_data if isinstance(getattr(meta, "planner_data", None), dict) else {}
+        return _unflatten(flat, paths)
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as e:
+        raise ConvertError(f"{metadata_file}: malformed DCP metadata ({type(e).__name__}: {one_line(str(e))})") from None
+
+
+def _read_dcp_items(path: str, meta: Any, item_bytes: Callable[[str, Any], Tuple[bytes, str]]) -> Dict[str, Any]:
     flat: Dict[str, Any] = {}
     for fqn, entry in meta.state_dict_metadata.items():
         kind = type(entry).__name__
@@ -240,21 +264,27 @@ def read_dcp(path: str) -> Dict[str, Any]:
             data, what = item_bytes(fqn, None)
             flat[fqn] = _torch_load(io.BytesIO(data), what)
         elif kind == "TensorStorageMetadata":
-            tensor = torch.empty(tuple(entry.size), dtype=_dcp_dtype(entry.properties, f"{path}: '{fqn}'"))
+            tensor = torch.zeros(tuple(entry.size), dtype=_dcp_dtype(entry.properties, f"{path}: '{fqn}'"))
+            covered = 0
             for chunk in entry.chunks:
                 data, what = item_bytes(fqn, tuple(chunk.offsets))
                 piece = _torch_load(io.BytesIO(data), what)
                 box = tensor
                 for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                    if start < 0 or length < 0 or start + length > tensor.shape[dim]:
+                        raise ConvertError(f"{what}: chunk at {list(chunk.offsets)} of {list(chunk.sizes)} is outside "
+                                           f"the tensor's {list(tensor.shape)}")
                     box = box.narrow(dim, start, length)
-                if not isinstance(piece, torch.Tensor) or piece.numel() != box.numel():
-                    raise ConvertError(f"{what}: the chunk is not a tensor of {list(chunk.sizes)}")
+                if not isinstance(piece, torch.Tensor) or piece.numel() != box.numel() or piece.dtype != tensor.dtype:
+                    raise ConvertError(f"{what}: the chunk is not a {tensor.dtype} tensor of {list(chunk.sizes)}")
                 box.copy_(piece.reshape(box.shape))
+                covered += box.numel()
+            if covered != tensor.numel():
+                raise ConvertError(f"{path}: '{fqn}': its chunks hold {covered} of {tensor.numel()} elements")
             flat[fqn] = tensor
         else:
             raise ConvertError(f"{path}: '{fqn}' is a {kind}, which this reader does not know")
-    paths = meta.planner_data if isinstance(getattr(meta, "planner_data", None), dict) else {}
-    return _unflatten(flat, paths)
+    return flat
 
 
 def _unflatten(flat: Dict[str, Any], paths: Dict[str, Any]) -> Dict[str, Any]:
@@ -341,8 +371,8 @@ def _plain_equal(a: Any, b: Any) -> bool:
             return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     except ImportError:
         pass
-    if isinstance(a, float) and math.isnan(a):
-        return isinstance(b, float) and math.isnan(b)
+    if isinstance(a, float):  # bit for bit: nan equals nan, -0.0 differs from 0.0
+        return isinstance(b, float) and struct.pack("<d", a) == struct.pack("<d", b)
     return bool(a == b)
 
 
@@ -492,10 +522,15 @@ def export_checkpoint(step_path: str, output: str, form: str, log: Callable[[str
     if form == "torch":
         if "{rank}" in output:
             world = int(imported.get("world_size", 1))
-            for rank in range(world):
-                name = output.replace("{rank}", str(rank))
-                _write_atomically(name, lambda tmp, r=rank: torch.save(_split_rank(state, per_rank, r), tmp))
-                written.append(name)
+            try:
+                for rank in range(world):
+                    name = output.replace("{rank}", str(rank))
+                    _write_atomically(name, lambda tmp, r=rank: torch.save(_split_rank(state, per_rank, r), tmp))
+                    written.append(name)
+            except BaseException:
+                for name in written:  # all ranks' files or none
+                    os.unlink(name)
+                raise
         else:
             if per_rank:
                 raise ConvertError(f"step {info.step} holds per-rank entries ({len(per_rank)}, from "
@@ -506,12 +541,22 @@ def export_checkpoint(step_path: str, output: str, form: str, log: Callable[[str
         if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
             raise ConvertError(f"--to {output}: exists and is not an empty directory; give a new one")
         dcp = _torch_dcp()
-        os.makedirs(output, exist_ok=True)
-        writer = dcp.FileSystemWriter(output)
-        if hasattr(dcp, "save_state_dict"):
-            dcp.save_state_dict(state, storage_writer=writer, no_dist=True)
-        else:
-            dcp.save(state, storage_writer=writer)
+        staging = f"{output.rstrip('/')}.tmp-{os.getpid()}"  # renamed into place once complete
+        os.makedirs(staging)
+        try:
+            writer = dcp.FileSystemWriter(staging)
+            if hasattr(dcp, "save_state_dict"):
+                dcp.save_state_dict(state, storage_writer=writer, no_dist=True)
+            else:
+                dcp.save(state, storage_writer=writer)
+            if os.path.isdir(output):
+                os.rmdir(output)  # empty (checked above)
+            os.rename(staging, output)
+        except BaseException as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            if type(e).__name__ == "CheckpointException":  # DCP's error is a BaseException
+                raise ConvertError(f"torch's DCP writer failed: {one_line(str(e))}") from None
+            raise
         written.append(output)
     else:
         raise ConvertError(f"--format {form}: use torch or dcp (safetensors is elastrun-ckpt's own)")
@@ -545,7 +590,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import_checkpoint(args.sources, args.to, args.step)
         else:
             export_checkpoint(args.step, args.to, args.format)
-    except (ConvertError, _checkpoint.CheckpointError, _checkpoint.TreeError, OSError) as e:
+    except (ConvertError, _checkpoint.CheckpointError, _checkpoint.TreeError, OSError, RuntimeError) as e:
         print(f"elastrun-ckpt: {one_line(str(e))}", file=sys.stderr)
         return 1
     return 0

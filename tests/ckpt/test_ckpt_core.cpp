@@ -458,6 +458,24 @@ TEST(CkptRestore, ARankThatSeesNoStepWhileOthersDoIsAnError) {
   });
 }
 
+// A step that some rank does not list (its copy of the directory lags) fails there, but it is not
+// damage: it is skipped without the marker that would keep it from retention for good.
+TEST(CkptRestore, AStepSomeRankCannotSeeIsSkippedButNotMarked) {
+  TempDir shared, lagging;
+  const auto model = world4_model(760);
+  save_world4(shared.path(), 1, model);
+  save_world4(shared.path(), 2, model);
+  fs::copy(shared.path() / "step-000000001", lagging.path() / "step-000000001", fs::copy_options::recursive);
+  // (the ranks read the path rank 0 names: make step 2 fail for real, as it would on rank 1)
+  fs::remove(shared.path() / "step-000000002" / "shard-00001-of-00004.h5");
+  run_ranks(2, [&](int rank, Communicator& comm) {
+    const auto restored = restore_latest(rank == 1 ? lagging.path() : shared.path(), {}, comm);
+    ASSERT_TRUE(restored);
+    EXPECT_EQ(restored->step, 1U);
+  });
+  EXPECT_FALSE(fs::exists(shared.path() / "step-000000002" / kRejectedMarker));
+}
+
 TEST(CkptRestore, TargetsThatFitNoStepAreAnErrorNotAFreshStart) {
   TempDir dir;
   const auto model = world4_model(800);

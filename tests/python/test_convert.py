@@ -125,6 +125,99 @@ def test_a_dcp_directory_of_torch_1_13_round_trips(tmp_path):
                    "not an empty directory")
 
 
+def write_torch2_dcp(directory, state_items, planner_data):
+    """A DCP directory as torch >= 2.4 writes it, recreated (torch 2 is not installed here): its
+    classes in torch.distributed.checkpoint.*, TensorProperties pickled as a tuple with an enum,
+    StorageMeta holding a PosixPath, flattened keys with their paths in planner_data. state_items:
+    fqn -> a tensor (split into two chunks along dim 0 when it has 2+ rows) or any other value."""
+    import dataclasses
+    import enum
+    import io
+    import pathlib
+    import pickle
+    import sys
+    import types
+
+    names = {"metadata": "torch.distributed.checkpoint.metadata",
+             "filesystem": "torch.distributed.checkpoint.filesystem"}
+    modules = {key: types.ModuleType(name) for key, name in names.items()}
+
+    def place(cls, where):
+        cls.__module__ = names[where]
+        cls.__qualname__ = cls.__name__
+        setattr(modules[where], cls.__name__, cls)
+        return cls
+
+    class _MEM_FORMAT_ENCODING(enum.Enum):
+        TORCH_CONTIGUOUS_FORMAT = 0
+    place(_MEM_FORMAT_ENCODING, "metadata")
+
+    class TensorProperties:
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+        def __getstate__(self):
+            return (self.dtype, torch.strided, False, _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT, False)
+    place(TensorProperties, "metadata")
+    records = {}
+    for name, fields in {"ChunkStorageMetadata": "offsets sizes", "TensorStorageMetadata": "properties size chunks",
+                         "BytesStorageMetadata": "", "MetadataIndex": "fqn offset index",
+                         "StorageMeta": "checkpoint_id save_id", "Metadata":
+                         "state_dict_metadata planner_data storage_data storage_meta"}.items():
+        records[name] = place(dataclasses.make_dataclass(name, fields.split(), frozen=name == "MetadataIndex"),
+                              "metadata")
+    records["_StorageInfo"] = place(dataclasses.make_dataclass("_StorageInfo", ["relative_path", "offset", "length"]),
+                                    "filesystem")
+    R = types.SimpleNamespace(**records)
+    data, state_md, storage = io.BytesIO(), {}, {}
+
+    def item(fqn, offset, index, value):
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        storage[R.MetadataIndex(fqn, offset, index)] = R._StorageInfo("__0_0.distcp", data.tell(), len(buffer.getvalue()))
+        data.write(buffer.getvalue())
+
+    for fqn, value in state_items.items():
+        if isinstance(value, torch.Tensor):
+            rows = [0, value.shape[0] // 2, value.shape[0]] if value.dim() and value.shape[0] > 1 else [0, None]
+            chunks = []
+            for i, (start, end) in enumerate(zip(rows, rows[1:])):
+                piece = value[start:end].clone() if end is not None else value.clone()
+                offsets = torch.Size([start] + [0] * (value.dim() - 1)) if value.dim() else torch.Size([])
+                chunks.append(R.ChunkStorageMetadata(offsets, piece.shape))
+                item(fqn, offsets, i, piece)
+            state_md[fqn] = R.TensorStorageMetadata(TensorProperties(value.dtype), value.shape, chunks)
+        else:
+            state_md[fqn] = R.BytesStorageMetadata()
+            item(fqn, None, None, value)
+    directory.mkdir()
+    (directory / "__0_0.distcp").write_bytes(data.getvalue())
+    meta = R.Metadata(state_md, planner_data, storage, R.StorageMeta(pathlib.PosixPath(directory), "abc"))
+    saved = {name: sys.modules.get(name) for name in names.values()}
+    try:
+        sys.modules.update({names[key]: module for key, module in modules.items()})
+        with open(directory / ".metadata", "wb") as f:
+            pickle.dump(meta, f)
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def test_a_dcp_directory_of_torch_2_is_nested_again(tmp_path):
+    w, b = torch.randn(5, 3), torch.tensor(1.5, dtype=torch.float64)
+    items = {"model.w": w, "model.b": b, "optim.param_groups.0.lr": 0.25, "epoch": 3}
+    paths = {"model.w": ("model", "w"), "model.b": ("model", "b"),
+             "optim.param_groups.0.lr": ("optim", "param_groups", 0, "lr"), "epoch": ("epoch",)}
+    write_torch2_dcp(tmp_path / "dcp2", items, paths)
+    state = convert.read_dcp(str(tmp_path / "dcp2"))
+    same(state, {"model": {"w": w, "b": b}, "optim": {"param_groups": [{"lr": 0.25}]}, "epoch": 3})
+    tool("import", tmp_path / "dcp2", "--to", tmp_path / "ckpt")
+    same(ec.read(tmp_path / "ckpt")[0], state)
+
+
 class RunsCode:
     def __init__(self, marker):
         self.marker = marker
