@@ -11,7 +11,7 @@
 #   two_agents        two launchers on this host, the same arguments, no --node_rank:
 #                     --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d --rdzv_endpoint=localhost:P
 #                     --rdzv_id=two: ranks 0..3 once each, world 4
-#   exit_code         rank 1 exits 3: the launcher exits 1
+#   exit_code         rank 1 exits 3 (once rank 0 has printed): the launcher exits 1
 #   quoted_conf       localhost + --rdzv_conf='join_timeout=5,last_call_timeout=1,timeout=5' with the
 #                     quotes in the argument, as PyTorch's launcher tests pass it (torchrun ignores
 #                     the keys it cannot read; elastrun strips the quotes)
@@ -81,7 +81,8 @@ port=$(free_port_pair)
 one_line loopback --nnodes=1 --nproc_per_node=2 --rdzv_backend=c10d --rdzv_endpoint=127.0.0.1:"$port"
 port=$(free_port_pair)
 one_line static --nnodes=1 --nproc_per_node=2 --master_addr=localhost --master_port="$port" --node_rank=0
-TR_EXIT_RANK1=3 one_line exit_code --standalone --nproc_per_node=2
+mkdir -p "$work/sync"
+TR_SYNC_DIR=$work/sync TR_EXIT_RANK1=3 one_line exit_code --standalone --nproc_per_node=2
 port=$(free_port_pair)
 one_line quoted_conf --nnodes=1 --nproc_per_node=2 --rdzv_backend=c10d --rdzv_endpoint=localhost:"$port" \
   "--rdzv_conf='join_timeout=5,last_call_timeout=1,timeout=5'"
