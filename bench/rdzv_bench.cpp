@@ -50,13 +50,13 @@ double round_time_ms(int members, bool detail = false) {
     me.node_name = fmt::format("n{}", i);
     me.address = "127.0.0.1";
     me.node_index = i;
-    RendezvousConfig cfg{.run_id = "bench",
-                         .min_nodes = members,
-                         .max_nodes = members,
-                         .join_timeout = 120s,
-                         .last_call_timeout = 1s,
-                         .heartbeat_timeout = 30s,
-                         .component_bounds = {}};
+    RendezvousConfig cfg;
+    cfg.run_id = "bench";
+    cfg.min_nodes = members;
+    cfg.max_nodes = members;
+    cfg.join_timeout = 120s;
+    cfg.last_call_timeout = 1s;
+    cfg.heartbeat_timeout = 30s;
     auto kv = std::make_unique<StoreClient>("127.0.0.1", server.port(), AuthConfig{}, "bench");
     auto hb = std::make_unique<StoreClient>("127.0.0.1", server.port(), AuthConfig{}, "bench");
     rdzv.push_back(std::make_unique<Rendezvous>(std::move(kv), std::move(hb), cfg, me));

@@ -181,6 +181,11 @@ Transition Agent::rendezvous() {
     if (rdzv_->current().group_world_size > 0 && rdzv_->current().group_rank == 0)
       write_outcome(outcome, exit_code_of(outcome));
     return exit_with(closed_exit(e));
+  } catch (const NoQuorum& e) {
+    // cut off from a majority for --partition-timeout: never a round of our own (no split brain)
+    spdlog::error("error: {}; exiting {}", e.what(), contract::kPartitionedExitCode);
+    print_summary();
+    return exit_with(contract::kPartitionedExitCode);
   } catch (const RendezvousError& e) {
     if (rdzv_->current().group_world_size == 0) throw;  // no round ever formed
     // fewer nodes than --nnodes MIN came back after a loss: class "node"

@@ -18,8 +18,26 @@
 #include "elastrun/rdzv/hostlist.hpp"
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/store.hpp"
+#include "elastrun/slurm/api.hpp"
 
 namespace elastrun::launcher {
+
+namespace {
+
+// Slurm's word on a member this side cannot reach (the quorum rule, docs/rendezvous.md
+// "Partitions"): its node is DOWN, NOT_RESPONDING or FAILED, or no longer in the job.
+std::function<bool(const rdzv::MemberInfo&)> slurm_confirms_gone(const std::string& job_id) {
+  return [job_id](const rdzv::MemberInfo& m) {
+    if (slurm::node_is_down(m.node_name).value_or(false)) return true;
+    const auto id = slurm::numeric_job_id(job_id);
+    const auto job = id ? slurm::load_job(*id) : std::nullopt;
+    if (!job || job->nodes.empty()) return false;
+    const auto nodes = rdzv::expand_hostlist(job->nodes);
+    return nodes && std::find(nodes->begin(), nodes->end(), m.node_name) == nodes->end();
+  };
+}
+
+}  // namespace
 
 namespace fs = std::filesystem;
 using namespace elastrun::rdzv;
@@ -158,7 +176,21 @@ void Agent::bootstrap() {
                           .join_timeout = o_.join_timeout,
                           .last_call_timeout = o_.last_call_timeout,
                           .heartbeat_timeout = o_.heartbeat_timeout,
-                          .component_bounds = component_bounds_};
+                          .component_bounds = component_bounds_,
+                          .confirmed_gone = {},
+                          .partition_timeout = o_.partition_timeout,
+                          .on_quorum_wait = {},
+                          .primary_address = plan_.store_address,
+                          .primary_port = etcd ? std::uint16_t(0) : plan_.store_port};
+  if (env_.slurm && slurm::config_available()) config.confirmed_gone = slurm_confirms_gone(env_.slurm->job_id);
+  config.on_quorum_wait = [this](const QuorumWait& w) {
+    events().emit(contract::event::kPartitioned, {{"waiting", w.waiting},
+                                                  {"members", w.members},
+                                                  {"present", w.present},
+                                                  {"unreachable", w.unreachable},
+                                                  {"store_node", w.store_node},
+                                                  {"waited_ms", w.waited_ms}});
+  };
   rdzv_ = std::make_unique<Rendezvous>(std::move(kv), std::move(hb), config, plan_.me, connector);
   spdlog::info("run '{}', backend {}{}, store {}:{}, nodes {}:{}, {} worker(s) per node", plan_.run_id,
                standalone ? "standalone" : to_string(o_.rdzv_backend),

@@ -369,7 +369,8 @@ struct RawFlags {
   std::string rdzv_backend = "c10d", requeue_budget, checkpoint_timeout = "300", scale_up_checkpoint = "true";
   std::string het_nnodes;
   std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300", redirects = "0",
-                      tee = "0", ranks_filter, node_rank, master_port, hang_timeout, memory_checkpoints;
+                      tee = "0", ranks_filter, node_rank, master_port, hang_timeout, memory_checkpoints,
+                      partition_timeout;
   // torchrun 2.x flags
   std::string shutdown_timeout, logs_specs, event_log_handler, signals_to_handle, dup_stdout, dup_stderr,
       print_completion;
@@ -416,6 +417,9 @@ void declare_flags(CLI::App& app, RawFlags& raw, AgentOptions& o) {
                  "seconds between SIGTERM and SIGKILL when stopping workers (default 5)");
   app.add_option("--exit-barrier-timeout,--exit_barrier_timeout", raw.exit_barrier,
                  "seconds to wait for the other nodes after local success (default 300)");
+  app.add_option("--partition-timeout,--partition_timeout", raw.partition_timeout,
+                 "seconds this node waits cut off from a majority of the job (no quorum, not training) "
+                 "before it gives up and exits 86 (default: the join timeout)");
   app.add_option("--role", o.role, "worker role name (ROLE_NAME, default 'default')");
   app.add_option("--node-rank,--node_rank", raw.node_rank, "this node's position in the round order (static use)");
   app.add_option("--master-addr,--master_addr", o.master_addr,
@@ -531,6 +535,8 @@ void convert_values(const CLI::App& app, const RawFlags& raw, AgentOptions& o) {
                         o);
   o.exit_barrier_timeout = seconds_option("--exit-barrier-timeout", raw.exit_barrier);
   o.checkpoint_timeout = seconds_option("--checkpoint-timeout", raw.checkpoint_timeout);
+  if (!raw.partition_timeout.empty())
+    o.partition_timeout = seconds_option("--partition-timeout", raw.partition_timeout);
   o.scale_up_checkpoint = parse_bool("--scale-up-checkpoint", raw.scale_up_checkpoint);
   if (!raw.requeue_budget.empty()) o.requeue_budget = parse_requeue_budget(raw.requeue_budget, o.requeue_budget);
   o.redirects = parse_stream_spec("--redirects", raw.redirects);

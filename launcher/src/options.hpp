@@ -58,6 +58,7 @@ struct AgentOptions {
   Millis join_timeout{600'000};
   Millis last_call_timeout{1000};
   Millis heartbeat_timeout{3000};
+  Millis partition_timeout{0};  // --partition-timeout; 0: join_timeout
   std::optional<bool> is_host;
   std::vector<std::string> ignored_rdzv_conf;  // torchrun keys accepted without effect
   std::vector<std::string> unknown_rdzv_conf;  // keys neither we nor torchrun know: one warning each

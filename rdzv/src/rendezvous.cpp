@@ -11,16 +11,22 @@
 //   P r/<gen>/barrier/<name>   barrier counters
 //   P counter/<name>           job-wide counters (restarts)
 //   P probe/<gen>              after a local failure: "every agent of round <gen>, answer"
+//   P base                     on a store moved to (failover, heal): the generation whose roster
+//                              the movers brought along, the quorum's base there
 //   elastrun/<run id>.ack/<gen>/<member>   the answers: outside P, so no one is woken by them
 // Forming members watch only r/<gen>/ctl/, so N joins cost O(N) wake-ups, not O(N^2).
 #include "elastrun/rdzv/rendezvous.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <array>
+#include <cerrno>
 
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/store.hpp"
@@ -100,7 +106,37 @@ int component_of_key(std::string_view member_key) {
   return static_cast<int>(to_i64(member_key.substr(0, dot)).value_or(-1));
 }
 
+// A member on this host (its address is ours or loopback) whose agent process no longer exists
+// is gone for certain: the kernel says so, no network can hide it.
+bool process_gone_here(const MemberInfo& m, const MemberInfo& me) {
+  if (m.pid <= 0 || m.pid == me.pid) return false;
+  const bool here =
+      m.address == me.address || m.address.starts_with("127.") || m.address == "::1" || m.address == "localhost";
+  return here && ::kill(static_cast<pid_t>(m.pid), 0) != 0 && errno == ESRCH;
+}
+
+// Rounds that never formed (waits without quorum) leave gaps in the generations: this many are
+// looked at below a round for the one before it.
+constexpr std::uint64_t kBaseScan = 64;
+
 }  // namespace
+
+QuorumVerdict decide_quorum(const std::vector<MemberInfo>& base, const std::function<bool(const MemberInfo&)>& joined,
+                            const std::function<bool(const MemberInfo&)>& gone) {
+  QuorumVerdict v;
+  v.members = static_cast<int>(base.size());
+  std::vector<const MemberInfo*> absent;
+  for (const auto& m : base)
+    if (joined(m))
+      ++v.present;
+    else
+      absent.push_back(&m);
+  if (base.empty() || 2 * v.present > v.members) return v;
+  for (const auto* m : absent)
+    if (!gone(*m)) v.unreachable.push_back(m->node_name);
+  v.ok = v.unreachable.empty();
+  return v;
+}
 
 std::string_view to_string(Change change) {
   switch (change) {
@@ -142,6 +178,9 @@ Rendezvous::Rendezvous(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend>
       (me_.het_component < 0 || me_.het_component >= static_cast<int>(config_.component_bounds.size())))
     throw RendezvousError(fmt::format("--het-nnodes gives bounds for {} component(s) but this agent is in component {}",
                                       config_.component_bounds.size(), me_.het_component));
+  if (config_.partition_timeout <= Millis(0)) config_.partition_timeout = config_.join_timeout;
+  store_address_ = config_.primary_address;
+  heartbeat_kv_->set_reply_timeout(keep_alive_patience());
   ensure_alive();
   heartbeat_ = std::thread([this] { heartbeat_loop(); });
 }
@@ -178,8 +217,16 @@ void Rendezvous::heartbeat_loop() {
       }
     } catch (const StoreError& e) {
       if (e.kind() == StoreErrorKind::ConnectionLost) {
-        if (!store_lost_) spdlog::warn("[rdzv] heartbeat: {}", e.what());
+        if (!store_lost_)
+          spdlog::warn(
+              "[rdzv] heartbeat: {}: the store is unreachable from this node; stopping work before the others "
+              "can declare it dead",
+              e.what());
         store_lost_ = true;
+        // Fence on our own clock: a call of the main thread blocked on the protocol connection
+        // fails now, not after its own reply timeout, so the agent stops its workers within
+        // about 3/4 of the heartbeat timeout of its last renewal (docs/rendezvous.md).
+        kv_->interrupt();
       } else {
         spdlog::warn("[rdzv] heartbeat failed: {}", e.what());
         fenced_ = true;
@@ -228,6 +275,12 @@ const RoundResult& Rendezvous::next_round() {
       if (auto result = try_form(gen)) {
         round_ = std::move(*result);
         failed_over_ = false;
+        if (no_quorum_since_) {
+          QuorumVerdict v;
+          v.members = v.present = round_.group_world_size;
+          tell_quorum_wait(false, v);
+          no_quorum_since_.reset();
+        }
         return round_;
       }
     } catch (const StoreError& e) {
@@ -242,7 +295,7 @@ const RoundResult& Rendezvous::next_round() {
         throw;
       }
     }
-    if (Clock::now() > join_deadline)
+    if (Clock::now() > join_deadline && !no_quorum_since_)  // without quorum: --partition-timeout
       throw RendezvousError(
           fmt::format("only some of the required {} nodes joined round {} within {} s (--rdzv-conf join_timeout)",
                       config_.min_nodes, gen, config_.join_timeout.count() / 1000));
@@ -292,7 +345,8 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
       return std::nullopt;
     }
     if (fenced_) return std::nullopt;
-    Millis wait = std::chrono::ceil<Millis>(join_deadline - Clock::now());
+    // without quorum the wait is --partition-timeout's (try_close), and other stores are probed
+    Millis wait = no_quorum_since_ ? Millis(1000) : std::chrono::ceil<Millis>(join_deadline - Clock::now());
     bool idle_check = false;
     if (last_call) {
       auto left = to_i64(*last_call).value_or(0) - wall_ms();
@@ -321,6 +375,7 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
       // Nothing for a while: has the generation moved on, or did the member that reached
       // min die before starting the last call? (try_close checks who is really alive.)
       if (current_generation() != gen) return std::nullopt;
+      if (no_quorum_since_ && Clock::now() >= next_probe_ && move_if_the_job_is_elsewhere()) return std::nullopt;
       auto count = kv_->get(round + "count");
       if (count && to_i64(count->value).value_or(0) >= config_.min_nodes)
         kv_->compare_and_set(ctl + "last_call", std::nullopt,
@@ -376,6 +431,10 @@ bool Rendezvous::try_close(std::uint64_t gen) {
       kv_->remove(round + "ctl/last_call");
       return false;
     }
+  if (!quorum_for(gen, joins)) {
+    kv_->remove(round + "ctl/last_call");
+    return false;
+  }
   kv_->compare_and_set(round + "ctl/roster", std::nullopt, roster);
   return true;  // closed by us or by someone else
 }
@@ -445,10 +504,12 @@ const std::vector<MemberInfo>& RoundResult::members() const {
   return *parsed_members_;
 }
 
-// The store is gone (its host died). Every member of the last round runs a standby store; the
-// survivors all try the members' standbys in round order and meet at the first that answers
-// (the lowest surviving member's, the same for everyone), where the next round rebuilds the
-// state. Generations continue from the last one so fencing stays monotonic.
+// The store is gone (its host died, or this node is cut off from it). Every member of the last
+// round runs a standby store; the survivors all try the members' standbys in round order and
+// meet at the first that answers (the lowest surviving member's, the same for everyone), where
+// the next round rebuilds the state. Generations continue from the last one so fencing stays
+// monotonic, and the last round's roster comes along: the next round there needs a quorum of it
+// (a node cut off alone reaches only its own standby, and waits there).
 void Rendezvous::fail_over() {
   if (!connector_) throw RendezvousError("the rendezvous store is lost and no standby is configured");
   failed_over_ = true;
@@ -461,16 +522,7 @@ void Rendezvous::fail_over() {
       try {
         auto kv = connector_(m.address, m.store_port);
         auto hb = connector_(m.address, m.store_port);
-        {
-          std::lock_guard lock(heartbeat_mutex_);
-          kv_ = std::move(kv);
-          heartbeat_kv_ = std::move(hb);
-          lease_ = 0;
-          fenced_ = false;
-          store_lost_ = false;
-        }
-        store_node_ = m.node_name;
-        kv_->compare_and_set(prefix_ + "gen", std::nullopt, std::to_string(round_.generation + 1));
+        switch_store(std::move(kv), std::move(hb), m.node_name, m.address, m.store_port);
         spdlog::warn("[rdzv] failed over to the standby store of {} ({}:{})", m.node_name, m.address, m.store_port);
         return;
       } catch (const StoreError& e) {
@@ -480,6 +532,159 @@ void Rendezvous::fail_over() {
     std::this_thread::sleep_for(Millis(100));
   }
   throw RendezvousError(fmt::format("the rendezvous store is lost and no standby answered: {}", last_error));
+}
+
+void Rendezvous::switch_store(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> hb, const std::string& node,
+                              const std::string& address, std::uint16_t port) {
+  hb->set_reply_timeout(keep_alive_patience());
+  {
+    std::lock_guard lock(heartbeat_mutex_);
+    kv_ = std::move(kv);
+    heartbeat_kv_ = std::move(hb);
+    lease_ = 0;
+    fenced_ = false;
+    store_lost_ = false;
+  }
+  store_node_ = node;
+  store_address_ = address;
+  store_port_ = port;
+  seed_base();
+  kv_->compare_and_set(prefix_ + "gen", std::nullopt, std::to_string(round_.generation + 1));
+}
+
+void Rendezvous::seed_base() {
+  if (round_.generation == 0) return;  // never in a round: nothing to bring
+  const auto gen = std::to_string(round_.generation);
+  kv_->compare_and_set(fmt::format("{}r/{}/ctl/roster", prefix_, round_.generation), std::nullopt, round_.roster);
+  // the newest base wins: movers from different rounds may arrive in any order
+  std::optional<std::string> current;
+  while (!kv_->compare_and_set(prefix_ + "base", current, gen, 0, &current))
+    if (!current || to_i64(*current).value_or(0) >= static_cast<std::int64_t>(round_.generation)) break;
+}
+
+std::uint64_t Rendezvous::latest_formed(KvBackend& kv, std::uint64_t from) {
+  const auto floor_kv = kv.get(prefix_ + "base");
+  const std::uint64_t floor = floor_kv ? static_cast<std::uint64_t>(to_i64(floor_kv->value).value_or(0)) : 0;
+  for (std::uint64_t g = from, looked = 0; g >= 1 && g >= floor && looked < kBaseScan; --g, ++looked)
+    if (kv.get(fmt::format("{}r/{}/ctl/roster", prefix_, g))) return g;
+  return floor <= from ? floor : 0;
+}
+
+bool Rendezvous::gone(const MemberInfo& m) {
+  const auto key = m.sort_key();
+  if (std::find(gone_.begin(), gone_.end(), key) != gone_.end()) return true;
+  if (!process_gone_here(m, me_) && !(config_.confirmed_gone && config_.confirmed_gone(m))) return false;
+  gone_.push_back(key);
+  return true;
+}
+
+bool Rendezvous::quorum_for(std::uint64_t gen, const std::vector<KeyValue>& joins) {
+  const auto base_gen = latest_formed(*kv_, gen - 1);
+  if (base_gen == 0) return true;  // the first round: --nnodes MIN decides alone
+  auto base = kv_->get(fmt::format("{}r/{}/ctl/roster", prefix_, base_gen));
+  if (!base) return true;
+  std::vector<MemberInfo> members;
+  for_each_line(base->value, [&](std::string_view line) { members.push_back(member_from(line)); });
+  const auto round = fmt::format("{}r/{}/join/", prefix_, gen);
+  std::vector<std::string_view> joined;
+  for (const auto& kv : joins) joined.push_back(std::string_view(kv.key).substr(round.size()));
+  std::sort(joined.begin(), joined.end());
+  auto verdict = decide_quorum(
+      members, [&](const MemberInfo& m) { return std::binary_search(joined.begin(), joined.end(), m.sort_key()); },
+      [&](const MemberInfo& m) { return gone(m); });
+  if (verdict.ok) return true;
+  const auto now = Clock::now();
+  if (!no_quorum_since_) {
+    no_quorum_since_ = now;
+    next_probe_ = now + Millis(2000);
+  }
+  if (verdict.unreachable != told_unreachable_) tell_quorum_wait(true, verdict);
+  if (now - *no_quorum_since_ > config_.partition_timeout)
+    throw NoQuorum(
+        fmt::format("partitioned from {} of {} members ({}) for {} s; no quorum; giving up (--partition-timeout)",
+                    verdict.unreachable.size(), verdict.members, fmt::join(verdict.unreachable, ", "),
+                    std::chrono::duration_cast<std::chrono::seconds>(now - *no_quorum_since_).count()));
+  return false;
+}
+
+void Rendezvous::tell_quorum_wait(bool waiting, const QuorumVerdict& v) {
+  QuorumWait w{
+      .waiting = waiting,
+      .members = v.members,
+      .present = v.present,
+      .unreachable = v.unreachable,
+      .store_node = store_node_,
+      .waited_ms = no_quorum_since_ ? std::chrono::duration_cast<Millis>(Clock::now() - *no_quorum_since_).count() : 0};
+  if (waiting)
+    spdlog::warn("[rdzv] partitioned from {} of {} members ({}); no quorum; waiting", v.unreachable.size(), v.members,
+                 fmt::join(v.unreachable, ", "));
+  else
+    spdlog::info("[rdzv] a round formed again after {} ms without quorum", w.waited_ms);
+  told_unreachable_ = waiting ? v.unreachable : std::vector<std::string>{};
+  if (config_.on_quorum_wait) config_.on_quorum_wait(w);
+}
+
+// While this side has no quorum: is the job going on elsewhere, or has the partition healed?
+// The candidates are the first store and the standbys of our last round's members, in that
+// order. A store whose newest round is newer than ours holds the job (a majority formed it
+// there): move there and rejoin. Else the most preferred store that answers, if it comes
+// before ours: after a heal both halves of a symmetric split meet there.
+bool Rendezvous::move_if_the_job_is_elsewhere() {
+  next_probe_ = Clock::now() + std::max(Millis(2000), config_.heartbeat_timeout);
+  if (!connector_) return false;
+  struct Candidate {
+    std::string node, address;
+    std::uint16_t port;
+  };
+  std::vector<Candidate> candidates;
+  if (config_.primary_port) candidates.push_back({"", config_.primary_address, config_.primary_port});
+  for (const auto& m : round_.generation == 0 ? standbys_ : round_.members())
+    if (m.store_port) candidates.push_back({m.node_name, m.address, m.store_port});
+  const auto current_port = store_port_ ? store_port_ : config_.primary_port;
+  const auto is_current = [&](const Candidate& c) { return c.address == store_address_ && c.port == current_port; };
+  // the store host's member line names the first store itself: one candidate per endpoint
+  std::vector<Candidate> unique;
+  for (auto& c : candidates)
+    if (std::none_of(unique.begin(), unique.end(),
+                     [&](const Candidate& u) { return u.address == c.address && u.port == c.port; }))
+      unique.push_back(std::move(c));
+  candidates = std::move(unique);
+  std::size_t current_index = candidates.size();
+  for (std::size_t i = 0; i < candidates.size(); ++i)
+    if (is_current(candidates[i])) current_index = i;
+  const auto ours = latest_formed(*kv_, current_generation());
+  std::optional<std::size_t> best;
+  std::uint64_t best_formed = ours;
+  std::unique_ptr<KvBackend> best_kv;
+  for (std::size_t i = 0; i < candidates.size(); ++i) {
+    if (i == current_index) continue;
+    try {
+      auto kv = connector_(candidates[i].address, candidates[i].port);
+      const auto gen_kv = kv->get(prefix_ + "gen");
+      if (!gen_kv) continue;  // a standby nobody moved to
+      const auto formed = latest_formed(*kv, static_cast<std::uint64_t>(to_i64(gen_kv->value).value_or(0)));
+      if (formed > best_formed || (formed == best_formed && !best && i < current_index)) {
+        best = i;
+        best_formed = formed;
+        best_kv = std::move(kv);
+      }
+    } catch (const StoreError&) {
+      // unreachable (still cut off) or gone: not a candidate now
+    }
+  }
+  if (!best) return false;
+  const auto& c = candidates[*best];
+  try {
+    auto hb = connector_(c.address, c.port);
+    spdlog::warn("[rdzv] the job is reachable again at the store of {} ({}:{}, newest round {}); moving there",
+                 c.node.empty() ? "the first node" : c.node, c.address, c.port, best_formed);
+    switch_store(std::move(best_kv), std::move(hb), c.node, c.address, c.port);
+    failed_over_ = true;
+    return true;
+  } catch (const StoreError& e) {
+    spdlog::warn("[rdzv] moving to the store at {}:{}: {}", c.address, c.port, e.what());
+    return false;
+  }
 }
 
 Change Rendezvous::wait_for_change(Millis timeout) {

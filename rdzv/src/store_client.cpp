@@ -5,6 +5,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <mutex>
 #include <system_error>
 
 #include "elastrun/rdzv/net.hpp"
@@ -20,10 +21,16 @@ struct StoreClient::Impl {
   std::string endpoint;
   FrameDecoder decoder{kMaxResponseBytes};
   std::uint32_t next_id = 1;
-  const Millis io_timeout{30000};  // a request's reply, beyond its own wait
+  Millis io_timeout{30000};  // a request's reply, beyond its own wait
+  // interrupt() shuts the socket down from another thread; closing it takes this mutex too, so
+  // a descriptor number is never shut down after it was closed (and maybe reused).
+  std::mutex fd_mutex;
 
   [[noreturn]] void lost(const std::string& why) {
-    fd.reset();
+    {
+      std::lock_guard lock(fd_mutex);
+      fd.reset();
+    }
     throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("store {}: {}", endpoint, why));
   }
 
@@ -107,8 +114,13 @@ StoreClient::StoreClient(const std::string& host, std::uint16_t port, const Auth
     throw StoreError(StoreErrorKind::AuthFailed, e.what());
   }
   hello.run_id = std::string(run_id);
+  // A hung store (a stopped process still accepts connections into its backlog) must not hold
+  // a failover for the whole reply timeout: the hello gets about the connect timeout.
+  const auto reply_timeout = impl_->io_timeout;
+  impl_->io_timeout = std::max(connect_timeout * 2, Millis(2000));
   try {
     impl_->call(hello);
+    impl_->io_timeout = reply_timeout;
   } catch (const StoreError& e) {
     // The store says no more than the kind of refusal; its own log has the reason.
     if (e.kind() == StoreErrorKind::WrongRun)
@@ -122,6 +134,13 @@ StoreClient::StoreClient(const std::string& host, std::uint16_t port, const Auth
 }
 
 StoreClient::~StoreClient() = default;
+
+void StoreClient::set_reply_timeout(Millis timeout) { impl_->io_timeout = timeout; }
+
+void StoreClient::interrupt() {
+  std::lock_guard lock(impl_->fd_mutex);
+  if (impl_->fd) ::shutdown(impl_->fd.get(), SHUT_RDWR);  // a blocked poll/recv returns at once
+}
 StoreClient::StoreClient(StoreClient&&) noexcept = default;
 StoreClient& StoreClient::operator=(StoreClient&&) noexcept = default;
 

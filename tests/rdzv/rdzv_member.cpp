@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   bool slurm = false, serve = false;
   std::string endpoint, run_id = "test", node, auth = "none";
   int index = 0, nproc = 1, min_nodes = 1, max_nodes = 1, rounds = 0;
-  int hb_ms = 3000, last_call_ms = 500, join_timeout_ms = 60000;
+  int hb_ms = 3000, last_call_ms = 500, join_timeout_ms = 60000, partition_timeout_ms = 0;
   app.add_flag("--slurm", slurm, "take identity and endpoint from the Slurm environment");
   app.add_flag("--serve", serve, "host the store here (default under --slurm: the first node)");
   app.add_option("--endpoint", endpoint, "store host:port");
@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   app.add_option("--hb-ms", hb_ms, "heartbeat timeout");
   app.add_option("--last-call-ms", last_call_ms);
   app.add_option("--join-timeout-ms", join_timeout_ms);
+  app.add_option("--partition-timeout-ms", partition_timeout_ms, "without quorum this long: exit 4 (0: join timeout)");
   app.add_option("--auth", auth, "munge|token|none|auto");
   bool confirm_slurm = false;
   app.add_flag("--confirm-slurm", confirm_slurm, "ask Slurm before declaring a silent node dead");
@@ -116,13 +117,24 @@ int main(int argc, char** argv) {
     };
     auto kv = connect_store(plan, auth_config, Millis(join_timeout_ms));
     auto hb = connect_store(plan, auth_config, Millis(join_timeout_ms));
-    RendezvousConfig config{.run_id = plan.run_id,
-                            .min_nodes = min_nodes,
-                            .max_nodes = max_nodes,
-                            .join_timeout = Millis(join_timeout_ms),
-                            .last_call_timeout = Millis(last_call_ms),
-                            .heartbeat_timeout = Millis(hb_ms),
-                            .component_bounds = {}};
+    RendezvousConfig config;
+    config.run_id = plan.run_id;
+    config.min_nodes = min_nodes;
+    config.max_nodes = max_nodes;
+    config.join_timeout = Millis(join_timeout_ms);
+    config.last_call_timeout = Millis(last_call_ms);
+    config.heartbeat_timeout = Millis(hb_ms);
+    config.partition_timeout = Millis(partition_timeout_ms);
+    config.primary_address = plan.store_address;
+    config.primary_port = plan.store_port;
+    if (confirm_slurm)
+      config.confirmed_gone = [](const MemberInfo& m) {
+        return elastrun::slurm::node_is_down(m.node_name).value_or(false);
+      };
+    config.on_quorum_wait = [](const QuorumWait& w) {
+      emit(w.waiting ? "no_quorum" : "quorum",
+           {{"members", w.members}, {"present", w.present}, {"unreachable", w.unreachable}, {"store", w.store_node}});
+    };
     Rendezvous rdzv(std::move(kv), std::move(hb), config, plan.me, connector);
     for (int done = 0; rounds == 0 || done < rounds; ++done) {
       auto r = rdzv.next_round();
@@ -145,6 +157,9 @@ int main(int argc, char** argv) {
   } catch (const RendezvousClosed& e) {
     emit("closed", {{"what", e.what()}});
     return 0;
+  } catch (const NoQuorum& e) {
+    emit("gave_up", {{"what", e.what()}});
+    return 4;
   } catch (const std::exception& e) {
     fmt::print(stderr, "rdzv_member: error: {}\n", e.what());
     return 3;

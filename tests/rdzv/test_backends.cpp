@@ -78,13 +78,13 @@ class Backend : public testing::TestWithParam<std::string> {
     me.address = "127.0.0.1";
     me.node_index = index;
     me.nproc = nproc;
-    RendezvousConfig cfg{.run_id = run_,
-                         .min_nodes = min,
-                         .max_nodes = max,
-                         .join_timeout = join_timeout,
-                         .last_call_timeout = last_call,
-                         .heartbeat_timeout = 2s,
-                         .component_bounds = {}};
+    RendezvousConfig cfg;
+    cfg.run_id = run_;
+    cfg.min_nodes = min;
+    cfg.max_nodes = max;
+    cfg.join_timeout = join_timeout;
+    cfg.last_call_timeout = last_call;
+    cfg.heartbeat_timeout = 2s;
     return std::make_unique<Rendezvous>(client(), client(), cfg, me);
   }
 

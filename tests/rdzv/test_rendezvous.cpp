@@ -52,13 +52,13 @@ struct Cluster {
     me.address = "127.0.0.1";
     me.node_index = index;
     me.nproc = nproc;
-    RendezvousConfig cfg{.run_id = "rt",
-                         .min_nodes = min,
-                         .max_nodes = max,
-                         .join_timeout = join_timeout,
-                         .last_call_timeout = last_call,
-                         .heartbeat_timeout = 2s,
-                         .component_bounds = {}};
+    RendezvousConfig cfg;
+    cfg.run_id = "rt";
+    cfg.min_nodes = min;
+    cfg.max_nodes = max;
+    cfg.join_timeout = join_timeout;
+    cfg.last_call_timeout = last_call;
+    cfg.heartbeat_timeout = 2s;
     return std::make_unique<Rendezvous>(client(), client(), cfg, me);
   }
   // A member of het component `component` of a job with per-component bounds (--het-nnodes).
@@ -71,13 +71,14 @@ struct Cluster {
     me.node_index = index;
     int min = 0, max = 0;
     for (auto b : bounds) min += b.min, max += b.max;
-    RendezvousConfig cfg{.run_id = "rt",
-                         .min_nodes = min,
-                         .max_nodes = max,
-                         .join_timeout = join_timeout,
-                         .last_call_timeout = 300ms,
-                         .heartbeat_timeout = 2s,
-                         .component_bounds = std::move(bounds)};
+    RendezvousConfig cfg;
+    cfg.run_id = "rt";
+    cfg.min_nodes = min;
+    cfg.max_nodes = max;
+    cfg.join_timeout = join_timeout;
+    cfg.last_call_timeout = 300ms;
+    cfg.heartbeat_timeout = 2s;
+    cfg.component_bounds = std::move(bounds);
     return std::make_unique<Rendezvous>(client(), client(), cfg, me);
   }
 };
@@ -234,6 +235,59 @@ TEST(Rendezvous, HetBoundsAreValidated) {
 TEST(Rendezvous, InvalidMinMaxIsRefused) {
   Cluster c;
   EXPECT_THROW(c.member("a", 0, 1, 3, 2), RendezvousError);
+}
+
+// ---- the quorum rule (a pure function) -----------------------------------------------------------
+
+std::vector<MemberInfo> nodes(std::initializer_list<const char*> names) {
+  std::vector<MemberInfo> out;
+  for (const char* n : names) {
+    MemberInfo m;
+    m.node_name = n;
+    out.push_back(m);
+  }
+  return out;
+}
+
+auto named(std::initializer_list<const char*> names) {
+  std::vector<std::string> set(names.begin(), names.end());
+  return [set](const MemberInfo& m) { return std::find(set.begin(), set.end(), m.node_name) != set.end(); };
+}
+
+TEST(Quorum, AFirstRoundNeedsNone) {
+  auto v = decide_quorum({}, named({}), named({}));
+  EXPECT_TRUE(v.ok);
+}
+
+TEST(Quorum, AStrictMajorityOfTheLastRoundFormsWithoutAskingWhoIsGone) {
+  int asked = 0;
+  auto gone = [&](const MemberInfo&) { return ++asked, false; };
+  auto v = decide_quorum(nodes({"n1", "n2", "n3", "n4"}), named({"n1", "n2", "n3", "n9"}), gone);
+  EXPECT_TRUE(v.ok);
+  EXPECT_EQ(v.present, 3);
+  EXPECT_EQ(asked, 0) << "Slurm is asked only without a majority";
+}
+
+TEST(Quorum, HalfIsNotAMajority) {
+  auto v = decide_quorum(nodes({"n1", "n2", "n3", "n4"}), named({"n1", "n2"}), named({}));
+  EXPECT_FALSE(v.ok);
+  EXPECT_EQ(v.present, 2);
+  EXPECT_EQ(v.members, 4);
+  EXPECT_EQ(v.unreachable, (std::vector<std::string>{"n3", "n4"}));
+}
+
+TEST(Quorum, AMinorityGoesOnOnlyWhenEveryAbsentMemberIsConfirmedGone) {
+  auto base = nodes({"n1", "n2", "n3", "n4"});
+  EXPECT_TRUE(decide_quorum(base, named({"n1", "n2"}), named({"n3", "n4"})).ok) << "Slurm: n3, n4 down";
+  auto v = decide_quorum(base, named({"n1"}), named({"n3", "n4"}));
+  EXPECT_FALSE(v.ok) << "n2 is neither here nor confirmed gone";
+  EXPECT_EQ(v.unreachable, (std::vector<std::string>{"n2"}));
+  EXPECT_TRUE(decide_quorum(base, named({}), named({"n1", "n2", "n3", "n4"})).ok) << "spares after every member died";
+}
+
+TEST(Quorum, SparesDoNotCount) {
+  auto v = decide_quorum(nodes({"n1", "n2", "n3"}), named({"n1", "s1", "s2", "s3"}), named({}));
+  EXPECT_FALSE(v.ok) << "only members of the last round make a quorum";
 }
 
 // ---- real processes --------------------------------------------------------------------------
@@ -417,6 +471,75 @@ TEST(RendezvousProcess, KillNineOfTheStoreHostIsSurvived) {
     EXPECT_EQ((*r)["members"], json::array({"n1", "n2"}));
     EXPECT_GE((*r)["gen"].get<int>(), 2) << "generations continue after a failover";
   }
+}
+
+TEST(RendezvousProcess, HalfOfTheMembersSilentIsNoQuorumUntilTheyReturn) {
+  // Two of four stop answering (SIGSTOP: alive, Slurm would call their nodes up): the other two
+  // are not a majority, so they form no round of their own; they say so, and once the silent
+  // ones return (fenced, rejoining) the four form a round again.
+  auto ep = free_endpoint();
+  Member host(member_args(ep, "n0", 0, 1, 4, true));
+  ASSERT_TRUE(host.next("store"));
+  Member b(member_args(ep, "n1", 1, 1, 4));
+  Member c(member_args(ep, "n2", 2, 1, 4));
+  Member d(member_args(ep, "n3", 3, 1, 4));
+  for (auto* m : {&host, &b, &c, &d}) {
+    auto r = m->next("round");
+    ASSERT_TRUE(r);
+    ASSERT_EQ((*r)["group_world_size"], 4);
+  }
+  kill(c.pid(), SIGSTOP);
+  kill(d.pid(), SIGSTOP);
+  for (auto* m : {&host, &b}) {
+    auto wait = m->next("no_quorum");
+    ASSERT_TRUE(wait) << "no 'no quorum' report";
+    EXPECT_EQ((*wait)["members"], 4);
+    EXPECT_EQ((*wait)["present"], 2);
+    EXPECT_EQ((*wait)["unreachable"], json::array({"n2", "n3"}));
+  }
+  EXPECT_FALSE(host.next("round", 3s)) << "a half formed a round of its own";
+  kill(c.pid(), SIGCONT);
+  kill(d.pid(), SIGCONT);
+  for (auto* m : {&host, &b, &c, &d}) {
+    auto r = m->next("round");
+    ASSERT_TRUE(r) << "no round after the silent members returned";
+    EXPECT_EQ((*r)["group_world_size"], 4);
+  }
+}
+
+TEST(RendezvousProcess, HalfOfTheMembersKilledIsConfirmedGoneOnTheSameHost) {
+  // SIGKILL is not a partition: the kernel of this host says the processes are gone, so the
+  // two survivors go on without a majority (on a cluster, Slurm's word does this).
+  auto ep = free_endpoint();
+  Member host(member_args(ep, "n0", 0, 1, 4, true));
+  ASSERT_TRUE(host.next("store"));
+  Member b(member_args(ep, "n1", 1, 1, 4));
+  Member c(member_args(ep, "n2", 2, 1, 4));
+  Member d(member_args(ep, "n3", 3, 1, 4));
+  for (auto* m : {&host, &b, &c, &d}) ASSERT_TRUE(m->next("round"));
+  c.kill9();
+  d.kill9();
+  for (auto* m : {&host, &b}) {
+    auto r = m->next("round");
+    ASSERT_TRUE(r);
+    EXPECT_EQ((*r)["members"], json::array({"n0", "n1"}));
+  }
+}
+
+TEST(RendezvousProcess, WithoutQuorumForThePartitionTimeoutAMemberGivesUp) {
+  auto ep = free_endpoint();
+  Member host(member_args(ep, "n0", 0, 1, 2, true));
+  ASSERT_TRUE(host.next("store"));
+  auto args = member_args(ep, "n1", 1, 1, 2);
+  args.insert(args.end(), {"--partition-timeout-ms", "1500"});
+  Member b(args);
+  for (auto* m : {&host, &b}) ASSERT_TRUE(m->next("round"));
+  kill(host.pid(), SIGSTOP);  // the store's host hangs: b is cut off from it and from a majority
+  auto gave_up = b.next("gave_up");
+  ASSERT_TRUE(gave_up) << "no give-up after --partition-timeout";
+  EXPECT_NE((*gave_up)["what"].get<std::string>().find("no quorum"), std::string::npos) << *gave_up;
+  EXPECT_EQ(WEXITSTATUS(b.wait_exit()), 4);
+  kill(host.pid(), SIGCONT);
 }
 
 TEST(RendezvousProcess, WrongTokenIsRefused) {

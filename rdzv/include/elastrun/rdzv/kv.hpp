@@ -50,6 +50,13 @@ class KvBackend {
   virtual std::uint64_t grant_lease(Millis ttl, std::string_view holder = {}) = 0;
   virtual bool keep_alive(std::uint64_t lease) = 0;
   virtual void revoke_lease(std::uint64_t lease) = 0;
+  // How long a reply may take beyond the request's own wait before the store counts as lost
+  // (ConnectionLost). The embedded store's client: 30 s unless set; etcd's backend keeps its own.
+  virtual void set_reply_timeout(Millis /*timeout*/) {}
+  // Called from another thread: a call blocked on this connection fails at once with
+  // ConnectionLost, and so does every later one (the embedded store's client shuts its socket
+  // down). Used to fence an agent on its own clock when its keep-alives go unanswered.
+  virtual void interrupt() {}
 };
 
 }  // namespace elastrun::rdzv

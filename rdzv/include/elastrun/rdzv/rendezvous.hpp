@@ -35,10 +35,29 @@ class RendezvousClosed : public RendezvousError {
   std::string reason_;
 };
 
+// No round could form for `--partition-timeout`: this side of a partition never had a quorum
+// (docs/rendezvous.md, "Partitions"). what(): "partitioned from N of M members for S s; ...".
+class NoQuorum : public RendezvousError {
+ public:
+  using RendezvousError::RendezvousError;
+};
+
 // MIN:MAX nodes of one component of a heterogeneous job.
 struct NodeBounds {
   int min = 1;
   int max = 1;
+};
+
+struct MemberInfo;
+
+// A wait without quorum, as told to RendezvousConfig::on_quorum_wait.
+struct QuorumWait {
+  bool waiting = true;                   // false: a round formed again after the wait
+  int members = 0;                       // of the last round formed (the base of the quorum)
+  int present = 0;                       // of those, in this round
+  std::vector<std::string> unreachable;  // node names: absent and not confirmed gone
+  std::string store_node;                // whose store this side is on ("" the first one)
+  std::int64_t waited_ms = 0;
 };
 
 struct RendezvousConfig {
@@ -53,6 +72,20 @@ struct RendezvousConfig {
   // (the rest wait as that component's spares), and a waiting member triggers a scale-up only
   // when its own component has room. Empty: only the job-wide min_nodes/max_nodes apply.
   std::vector<NodeBounds> component_bounds;
+  // Partitions (docs/rendezvous.md): a round after the first closes only with a strict majority
+  // of the last round's members, or when every absent member is confirmed gone -- its agent's
+  // process is known dead (a member on this host: kill(pid, 0)) or `confirmed_gone` says so (the
+  // launcher asks Slurm: node DOWN, NOT_RESPONDING, FAIL or no longer in the job).
+  std::function<bool(const MemberInfo&)> confirmed_gone;
+  // Without a quorum for this long, next_round() throws NoQuorum. 0: join_timeout.
+  Millis partition_timeout{0};
+  // Told when a wait without quorum begins or who is unreachable changes (waiting), and when a
+  // round forms again after one (!waiting). Called on the thread that called next_round().
+  std::function<void(const QuorumWait&)> on_quorum_wait;
+  // The first store, where the halves of a healed partition meet again (standbys are known
+  // from the rosters). Empty: not probed.
+  std::string primary_address;
+  std::uint16_t primary_port = 0;
 };
 
 // One agent as the others see it. Order in a round: (het component, node index, node name, pid),
@@ -93,6 +126,19 @@ struct RoundResult {
  private:
   mutable std::optional<std::vector<MemberInfo>> parsed_members_;
 };
+
+// The quorum rule, a pure function (unit-tested with canned members): may a round close that
+// `joined` members of `base` (the last round formed) joined? Yes for a first formation (empty
+// base), with a strict majority of base, or when every absent member is `gone`. `gone` is asked
+// only when there is no majority (it may ask slurmctld).
+struct QuorumVerdict {
+  bool ok = true;
+  int present = 0;
+  int members = 0;
+  std::vector<std::string> unreachable;  // absent and not gone (node names)
+};
+QuorumVerdict decide_quorum(const std::vector<MemberInfo>& base, const std::function<bool(const MemberInfo&)>& joined,
+                            const std::function<bool(const MemberInfo&)>& gone);
 
 enum class Change {
   None,           // timeout: nothing happened
@@ -187,6 +233,21 @@ class Rendezvous {
   bool every_live_agent_joined(std::uint64_t gen);
   void fail_over();
   bool component_has_room(int component) const;  // for a waiting member (component_bounds)
+  // ---- partitions (docs/rendezvous.md, "Partitions") ----
+  // Moves both connections to the store at address:port (a standby, or the primary after a heal).
+  void switch_store(std::unique_ptr<KvBackend> kv, std::unique_ptr<KvBackend> hb, const std::string& node,
+                    const std::string& address, std::uint16_t port);
+  void seed_base();  // our last round's roster on a store we moved to: the quorum's base there
+  // The newest generation at or below `from` with a roster on `kv` (0: none).
+  std::uint64_t latest_formed(KvBackend& kv, std::uint64_t from);
+  bool quorum_for(std::uint64_t gen, const std::vector<KeyValue>& joins);  // false: wait
+  bool gone(const MemberInfo& m);
+  bool move_if_the_job_is_elsewhere();  // during a wait without quorum, every few seconds
+  void tell_quorum_wait(bool waiting, const QuorumVerdict& v);
+  // A keep-alive unanswered this long: the store is unreachable (the heartbeat connection's
+  // reply timeout). Sent every 1/4 heartbeat, so it fires about 3/4 heartbeat after the last
+  // renewal: before the others can declare us dead (for heartbeat timeouts of 2 s and more).
+  Millis keep_alive_patience() const { return std::max(config_.heartbeat_timeout / 2, Millis(1000)); }
 
   std::unique_ptr<KvBackend> kv_;
   std::unique_ptr<KvBackend> heartbeat_kv_;
@@ -209,6 +270,12 @@ class Rendezvous {
   std::uint64_t watch_revision_ = 0;
   std::optional<MemberLoss> last_loss_;
   std::string store_node_;
+  std::string store_address_;
+  std::uint16_t store_port_ = 0;  // 0: the first store (config primary)
+  std::optional<std::chrono::steady_clock::time_point> no_quorum_since_;
+  std::chrono::steady_clock::time_point next_probe_{};
+  std::vector<std::string> told_unreachable_;
+  std::vector<std::string> gone_;  // sort keys confirmed gone (stays true)
 
  public:
   // Small job-wide records (failure reports, stop requests), under "<prefix>pub/". They live as

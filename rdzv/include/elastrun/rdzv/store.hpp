@@ -127,6 +127,8 @@ class StoreClient final : public KvBackend {
   bool keep_alive(std::uint64_t lease) override;           // false: the lease is gone (we were declared dead)
   void revoke_lease(std::uint64_t lease) override;
   std::uint64_t ping();  // the store's revision
+  void set_reply_timeout(Millis timeout) override;
+  void interrupt() override;
 
  private:
   struct Impl;

@@ -14,6 +14,8 @@ inline constexpr int kEventsSchemaVersion = 1;
 inline constexpr int kNodeProtocolVersion = 1;
 // A worker's exit code meaning "I saved a checkpoint and stopped; please requeue/restart me".
 inline constexpr int kCheckpointedExitCode = 85;
+// The agent's exit code after --partition-timeout without quorum (cut off from a majority).
+inline constexpr int kPartitionedExitCode = 86;
 // what progress(step) writes at offset 0 of $ELASTRUN_PROGRESS_FILE: the step (-1: none), right-aligned, and a newline
 // (printf format, size in bytes).
 inline constexpr const char* kProgressRecordFormat = "%23ld\n";
@@ -122,6 +124,9 @@ inline constexpr std::string_view kMemberLost =
                     // (how: unconfirmed)
 inline constexpr std::string_view kStoreLost =
     "store_lost";  // agent: the rendezvous store went away (failover follows)
+inline constexpr std::string_view kPartitioned =
+    "partitioned";  // agent: no quorum: cut off from a majority of the last round, this node waits without training
+                    // (waiting true); or a round formed again after such a wait (waiting false)
 inline constexpr std::string_view kWorkersStarted = "workers_started";    // agent: this node's workers were started
 inline constexpr std::string_view kWorkerExit = "worker_exit";            // agent: a worker exited
 inline constexpr std::string_view kFailureDecision = "failure_decision";  // agent: what the agent does about a failure
