@@ -85,6 +85,7 @@ std::vector<std::string> detail::commit(const fs::path& root, const fs::path& te
     detail::fsync_path(temporary, true);
   }
   detail::fault_point("commit.before_publish", 0);
+  detail::fence_commit(final_path);  // a node cut off from the quorum commits nothing
   const fs::path replaced = publish(root, temporary, final_path, step, generation);
   // Committed. Nothing below may turn this into a reported failure.
   std::vector<std::string> warnings;

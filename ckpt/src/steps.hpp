@@ -24,4 +24,8 @@ void retire(const std::filesystem::path& root, std::uint64_t step, const std::fi
 std::vector<std::string> commit(const std::filesystem::path& root, const std::filesystem::path& temporary,
                                 std::uint64_t step, const std::string& generation, const SaveOptions& options);
 
+// Rank 0, just before the rename: under an elastrun agent, its round must still hold a quorum
+// on the rendezvous store (fence.cpp). Throws CheckpointError naming why; nothing without one.
+void fence_commit(const std::filesystem::path& step_dir);
+
 }  // namespace elastrun::ckpt::detail

@@ -129,6 +129,7 @@ Transition Agent::rendezvous() {
     return exit_with(128 + sig);
   }
   log_state("RENDEZVOUS", fmt::format("run '{}' nodes {}:{}", plan_.run_id, min_nodes_, max_nodes_));
+  set_fence(std::nullopt);  // between rounds nothing commits
   const auto t0 = Clock::now();
   try {
     const RoundResult* round = nullptr;
@@ -143,6 +144,7 @@ Transition Agent::rendezvous() {
     const auto& r = *round;
     const auto formation_ms = std::chrono::duration_cast<Millis>(Clock::now() - t0).count();
     restart_count_ = rdzv_->add_to_counter("restarts", 0);
+    set_fence(rdzv_->commit_fence(env_.slurm ? static_cast<std::uint64_t>(env_.slurm->restart_count) : 0));
     for (const auto& m : r.members()) ever_members_.insert(m.node_name);
     if (r.group_rank == 0)  // a lost member's metrics file: its agent cannot remove it
       for (const auto& node : last_members)

@@ -185,6 +185,16 @@ class Agent {
   int attempt_ = 0;                // local starts of the workers, for per-attempt files
   std::int64_t restart_count_ = 0;
   FailureReport failures_;
+  // fenced commits: the current round's fence (none between rounds), read by the endpoint's
+  // thread for the workers' commit_fence requests; before runtime_, whose endpoint uses them
+  std::mutex fence_mutex_;
+  std::optional<rdzv::CommitFence> fence_;
+  std::string check_commit(const std::string& what);  // the endpoint's thread
+  std::string etcd_endpoint_;                         // "" : the embedded store
+  void set_fence(std::optional<rdzv::CommitFence> fence) {
+    std::lock_guard lock(fence_mutex_);
+    fence_ = std::move(fence);
+  }
   NodeRuntime runtime_;  // for the whole job; before group_, which uses its backend
   EventLog& events() { return runtime_.events(); }
   std::optional<WorkerGroup> group_;

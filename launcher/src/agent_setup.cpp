@@ -192,10 +192,43 @@ void Agent::bootstrap() {
                                                   {"waited_ms", w.waited_ms}});
   };
   rdzv_ = std::make_unique<Rendezvous>(std::move(kv), std::move(hb), config, plan_.me, connector);
+  etcd_endpoint_ = etcd ? endpoint : std::string();
+  runtime_.set_commit_fence([this](const std::string& what) { return check_commit(what); });
   spdlog::info("run '{}', backend {}{}, store {}:{}, nodes {}:{}, {} worker(s) per node", plan_.run_id,
                standalone ? "standalone" : to_string(o_.rdzv_backend),
                plan_.host_store && !etcd ? " (hosted here)" : "", etcd ? endpoint : plan_.store_address,
                etcd ? 0 : plan_.store_port, min_nodes_, max_nodes_, o_.nproc_per_node);
+}
+
+// A worker's commit_fence request (the endpoint's thread): the round's fence, checked on the
+// store the round formed on, over a connection of its own (the Rendezvous is the main thread's).
+std::string Agent::check_commit(const std::string& what) {
+  std::optional<CommitFence> fence;
+  {
+    std::lock_guard lock(fence_mutex_);
+    fence = fence_;
+  }
+  if (!fence) throw std::invalid_argument("this node is between rounds: no commit now");
+  std::string why;
+  try {
+    std::unique_ptr<KvBackend> kv;
+    if (!etcd_endpoint_.empty()) {
+      kv = std::make_unique<EtcdKv>(etcd_endpoint_, o_.heartbeat_timeout);
+    } else {
+      kv = std::make_unique<StoreClient>(fence->store_port ? fence->store_address : plan_.store_address,
+                                         fence->store_port ? fence->store_port : plan_.store_port, auth_, plan_.run_id,
+                                         Millis(1000));
+      kv->set_reply_timeout(o_.heartbeat_timeout);
+    }
+    why = fence_commit(*kv, *fence, what);
+  } catch (const StoreError& e) {
+    why = fmt::format("the rendezvous store cannot confirm the round: {}", e.what());
+  }
+  if (!why.empty()) {
+    spdlog::warn("checkpoint commit of {} refused: {}", what, why);
+    throw std::invalid_argument(fmt::format("commit of {} refused by the rendezvous: {}", what, why));
+  }
+  return fence->token;
 }
 
 Agent::~Agent() {

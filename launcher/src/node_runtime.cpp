@@ -92,12 +92,23 @@ worker::NodeReply NodeRuntime::answer(const nlohmann::json& request) {
                                        : fmt::format("no committed memory snapshot of rank {}", rank));
     return {{{"step", found->step}, {"bytes", found->bytes}, {"checksum", found->checksum}}, std::move(found->fd)};
   }
+  if (name == op::kCommitFence) {
+    const auto what = request.value("what", std::string());
+    if (what.empty()) throw std::invalid_argument("'what' (the step directory to commit) is missing");
+    CommitFenceCheck check;
+    {
+      std::lock_guard lock(status_mutex_);
+      check = commit_fence_;
+    }
+    if (!check) throw std::invalid_argument("this agent has no rendezvous round to check commits against");
+    return {{{"token", check(what)}}};
+  }
   if (name == op::kMemList) return memory_or_refuse().list();
   if (name == op::kMemForget)
     return {{{"dropped", memory_or_refuse().forget_after(field<std::uint64_t>(request, "after_step"))}}};
-  throw std::invalid_argument(fmt::format("unknown op '{}' (this agent knows: {}, {}, {}, {}, {}, {})", name,
+  throw std::invalid_argument(fmt::format("unknown op '{}' (this agent knows: {}, {}, {}, {}, {}, {}, {})", name,
                                           op::kStatus, op::kMemAlloc, op::kMemCommit, op::kMemGet, op::kMemList,
-                                          op::kMemForget));
+                                          op::kMemForget, op::kCommitFence));
 }
 
 nlohmann::json NodeRuntime::status_reply() const {

@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -84,6 +85,15 @@ class NodeRuntime {
   void enable_memory_checkpoints(std::uint64_t budget_bytes);
   MemorySegments* memory() { return memory_.get(); }
 
+  // ---- fenced checkpoint commits (commit_fence: refused until set) ----
+  // Answers "may this node's round commit WHAT?": the token to go ahead, or throws why not.
+  // Called on the endpoint's thread.
+  using CommitFenceCheck = std::function<std::string(const std::string& what)>;
+  void set_commit_fence(CommitFenceCheck check) {
+    std::lock_guard lock(status_mutex_);
+    commit_fence_ = std::move(check);
+  }
+
   // ---- processes ----
   // --preload: Python workers of `config.python` are forked by a preloader (before the first
   // process_backend() call).
@@ -109,6 +119,7 @@ class NodeRuntime {
   Identity identity_;
   mutable std::mutex status_mutex_;
   Status status_;
+  CommitFenceCheck commit_fence_;           // under status_mutex_
   std::unique_ptr<NodeEndpoint> endpoint_;  // last: stopped first, before what it reads
 };
 

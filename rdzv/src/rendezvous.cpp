@@ -831,6 +831,53 @@ bool Rendezvous::barrier(std::string_view name, Millis timeout) {
   }
 }
 
+// ---- fenced commits ----------------------------------------------------------------------------
+
+CommitFence Rendezvous::commit_fence(std::uint64_t requeues) const {
+  CommitFence f;
+  f.store_address = store_port_ ? store_address_ : std::string();
+  f.store_port = store_port_;
+  f.prefix = prefix_;
+  f.generation = round_.generation;
+  f.lease = lease_;
+  f.token = fmt::format("{:06d}.{:012d}", requeues, round_.generation);  // fixed width: text order is round order
+  for (const auto& m : round_.members()) f.member_keys.push_back(m.sort_key());
+  return f;
+}
+
+std::string fence_commit(KvBackend& kv, const CommitFence& fence, std::string_view what) {
+  try {
+    if (fence.generation == 0) return "this node is in no round";
+    const auto gen = kv.get(fence.prefix + "gen");
+    if (!gen || to_i64(gen->value).value_or(0) != static_cast<std::int64_t>(fence.generation))
+      return fmt::format("round {} is over on the store (generation {} there)", fence.generation,
+                         gen ? gen->value : std::string("unset"));
+    const auto alive_prefix = fence.prefix + "alive/";
+    std::size_t alive = 0;
+    for (const auto& kv_alive : kv.get_prefix(alive_prefix)) {
+      const auto key = std::string_view(kv_alive.key).substr(alive_prefix.size());
+      alive += std::find(fence.member_keys.begin(), fence.member_keys.end(), key) != fence.member_keys.end();
+    }
+    if (2 * alive <= fence.member_keys.size())
+      return fmt::format("only {} of the round's {} members are alive on the store: no quorum", alive,
+                         fence.member_keys.size());
+    // Outside the watched prefix ("elastrun/<run>.commits/", like the probe answers): a commit
+    // wakes no agent. Our lease still live: a write under it is refused once we were declared dead.
+    const auto records = fence.prefix.substr(0, fence.prefix.size() - 1) + ".commits/";
+    kv.set(records + "fence/" + fence.token, std::string(what), fence.lease);
+    const auto record = records + "step/" + std::string(what);
+    std::optional<std::string> current;
+    while (!kv.compare_and_set(record, current, fence.token, 0, &current)) {
+      if (current && *current > fence.token)
+        return fmt::format("a newer round ({}) committed {} already", *current, what);
+    }
+    return "";
+  } catch (const StoreError& e) {
+    if (e.kind() == StoreErrorKind::NoSuchLease) return "this node was declared dead (its lease is gone)";
+    return fmt::format("the rendezvous store cannot confirm the round: {}", e.what());
+  }
+}
+
 // ---- published records ---------------------------------------------------------------------
 
 bool Rendezvous::publish(std::string_view key, std::string_view value, bool only_if_absent) {

@@ -22,7 +22,9 @@ timeout 120 "$elastrun" --standalone --nproc-per-node=2 --no-python --max-restar
   --events "$out/m.events" "$train" "${steps[@]}" --memory-every 1 --ckpt-dir "$out/m" --fail-at-step 17:1 \
   >"$out/m.log" 2>&1 || fail "M exited $?"
 grep -q "\[rank 1\] --fail-at-step 17:1: failing on purpose at step 17" "$out/m.log" || fail "M: rank 1 did not fail"
-grep -q "\[rank 0\] resumed from step 17 in the agents' memory (saved by a world of 2, now 2; newest file checkpoint: 10)" \
+# newest file step 10, or none when the crash came while step 10's asynchronous commit (a fenced
+# one: the agent confirms the round on the store) was still in flight on a loaded machine
+grep -Eq "\[rank 0\] resumed from step 17 in the agents' memory \(saved by a world of 2, now 2; newest file checkpoint: (10|none)\)" \
   "$out/m.log" || fail "M did not resume from step 17 in memory"
 grep -q "\[rank 0\] done: 30 steps" "$out/m.log" || fail "M did not finish"
 /usr/bin/python3 - "$out/m.events" <<'PY' || fail "M's events"
@@ -34,7 +36,7 @@ assert len(resumed) == 1 and resumed[0]["step"] == 17 and resumed[0]["source"] =
 memory = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("tier") == "memory"]
 assert 17 in memory and len(memory) >= 25, memory  # every step but the last, from rank 0
 files = {e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("tier") == "file"}
-assert files == {10, 20, 30}, files
+assert {20, 30} <= files <= {10, 20, 30}, files  # 10: unless its commit was cut short by the crash
 PY
 rc=0
 "$tool" diff "$out/a" "$out/m" >"$out/diff.log" 2>&1 || rc=$?

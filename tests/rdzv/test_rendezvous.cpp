@@ -290,6 +290,62 @@ TEST(Quorum, SparesDoNotCount) {
   EXPECT_FALSE(v.ok) << "only members of the last round make a quorum";
 }
 
+// ---- fenced commits ----------------------------------------------------------------------------
+
+TEST(FencedCommit, TheRoundWithAQuorumOnItsStoreCommitsAndRecordsIt) {
+  Cluster c;
+  auto a = c.member("a", 0, 1, 2, 2);
+  auto b = c.member("b", 1, 1, 2, 2);
+  auto fa = std::async(std::launch::async, [&] { return a->next_round(); });
+  b->next_round();
+  fa.get();
+  const auto fence = a->commit_fence(3);
+  EXPECT_EQ(fence.token.substr(0, 7), "000003.") << "requeues first: a requeued job's rounds come later";
+  auto kv = c.client();
+  EXPECT_EQ(fence_commit(*kv, fence, "/ckpt/step-10"), "");
+  EXPECT_EQ(fence_commit(*kv, fence, "/ckpt/step-10"), "") << "a retry of the same commit";
+  auto record = kv->get("elastrun/rt.commits/step//ckpt/step-10");
+  ASSERT_TRUE(record);
+  EXPECT_EQ(record->value, fence.token);
+  // a newer round's record of a step wins over an older round's commit of it
+  auto newer = fence;
+  newer.token = "000004.000000000001";
+  EXPECT_EQ(fence_commit(*kv, newer, "/ckpt/step-11"), "");
+  EXPECT_NE(fence_commit(*kv, fence, "/ckpt/step-11").find("a newer round"), std::string::npos);
+  // once another agent starts a new round, this round commits nothing more
+  b->request_new_round();
+  EXPECT_NE(fence_commit(*kv, fence, "/ckpt/step-12").find("is over"), std::string::npos);
+}
+
+TEST(FencedCommit, AMinorityOnTheStoreCommitsNothing) {
+  Cluster c;
+  auto a = c.member("a", 0, 1, 3, 3);
+  auto b = c.member("b", 1, 1, 3, 3);
+  auto d = c.member("d", 2, 1, 3, 3);
+  auto fa = std::async(std::launch::async, [&] { return a->next_round(); });
+  auto fb = std::async(std::launch::async, [&] { return b->next_round(); });
+  d->next_round();
+  fa.get();
+  fb.get();
+  const auto fence = a->commit_fence(0);
+  b.reset();  // their leases end: a is alone in its round on this store
+  d.reset();
+  auto kv = c.client();
+  EXPECT_NE(fence_commit(*kv, fence, "/ckpt/step-1").find("no quorum"), std::string::npos);
+  EXPECT_FALSE(kv->get("elastrun/rt.commits/step//ckpt/step-1")) << "a refused commit is not recorded";
+}
+
+TEST(FencedCommit, AMemberDeclaredDeadCommitsNothing) {
+  Cluster c;
+  auto a = c.member("a", 0, 1, 1, 1);
+  a->next_round();
+  auto fence = a->commit_fence(0);
+  auto kv = c.client();
+  kv->revoke_lease(fence.lease);  // as the store does when its keep-alives stop
+  const auto why = fence_commit(*kv, fence, "/ckpt/step-1");
+  EXPECT_FALSE(why.empty());
+}
+
 // ---- real processes --------------------------------------------------------------------------
 
 class Member {

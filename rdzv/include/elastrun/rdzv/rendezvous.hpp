@@ -140,6 +140,27 @@ struct QuorumVerdict {
 QuorumVerdict decide_quorum(const std::vector<MemberInfo>& base, const std::function<bool(const MemberInfo&)>& joined,
                             const std::function<bool(const MemberInfo&)>& gone);
 
+// Fenced commits (docs/rendezvous.md, "Fenced commits"): what a checkpoint commit of this node
+// is checked against -- its round, on the store the round formed on. A copy, taken on the
+// agent's thread after each round, for the thread that answers the workers.
+struct CommitFence {
+  std::string store_address;  // "" : the first store (the agent's own endpoint)
+  std::uint16_t store_port = 0;
+  std::string prefix;  // "elastrun/<run id>/"
+  std::uint64_t generation = 0;
+  std::uint64_t lease = 0;
+  std::string token;                     // "<requeues>.<generation>": orders rounds across failovers and requeues
+  std::vector<std::string> member_keys;  // the round's members (MemberInfo::sort_key)
+};
+
+// Checks, on the store `kv` (the round's), that a commit of `what` (e.g. ".../step-42") by the
+// round of `fence` may go ahead, and records it: the store's generation is still the round's, a
+// strict majority of the round's members hold live leases there, our own lease is live (a keyed
+// write under it), and the record `elastrun/<run>.commits/step/<what>` moves to our token by compare-and-set unless a
+// newer round's token is there. Returns "" to go ahead, else why not (one line). A store that
+// cannot be reached is a "no": a node cut off from the quorum commits nothing.
+std::string fence_commit(KvBackend& kv, const CommitFence& fence, std::string_view what);
+
 enum class Change {
   None,           // timeout: nothing happened
   MemberLost,     // a member of the round died or went silent
@@ -216,6 +237,8 @@ class Rendezvous {
   const std::optional<MemberLoss>& last_loss() const { return last_loss_; }
   // The node whose standby store we failed over to, "" while on the first store.
   const std::string& store_node() const { return store_node_; }
+  // The current round's fence for checkpoint commits; `requeues` goes into its token.
+  CommitFence commit_fence(std::uint64_t requeues) const;
 
  private:
   std::uint64_t current_generation();

@@ -162,6 +162,10 @@ inline constexpr std::string_view kMemList =
 inline constexpr std::string_view kMemForget =
     "mem_forget";  // drops every segment of a step after `after_step` (a restore went back to it: newer snapshots are
                    // of an abandoned history and would crowd out the new ones); reply: dropped
+inline constexpr std::string_view kCommitFence =
+    "commit_fence";  // before a checkpoint commit (rank 0, before the rename): may this node's round commit `what` (the
+                     // step directory)? The agent checks and records it on the rendezvous store with a quorum
+                     // (docs/rendezvous.md, "Fenced commits"); reply: token, or ok false with why
 }  // namespace node_op
 
 }  // namespace elastrun::contract
