@@ -375,6 +375,9 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
       // Nothing for a while: has the generation moved on, or did the member that reached
       // min die before starting the last call? (try_close checks who is really alive.)
       if (current_generation() != gen) return std::nullopt;
+      // Fewer than MIN here never reach try_close: a node cut off alone must still say so, probe
+      // for the job and give up after --partition-timeout.
+      if (round_.generation > 0) quorum_for(gen, kv_->get_prefix(round + "join/"));
       if (no_quorum_since_ && Clock::now() >= next_probe_ && move_if_the_job_is_elsewhere()) return std::nullopt;
       auto count = kv_->get(round + "count");
       if (count && to_i64(count->value).value_or(0) >= config_.min_nodes)

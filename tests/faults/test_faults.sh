@@ -34,6 +34,10 @@
 #                 component 0 shrinks (world 5, members n1 n2 n4), component 1 keeps its node and
 #                 its 1 worker (last rank), one restart, another round of 5. (Component 0 is the
 #                 multi-node one: Slurm applies any node failure of a het job to the leader too.)
+#   partition     elastic.sbatch, 4 nodes x 2; testbed partition n1,n2,n3 / n4 mid-run (Slurm sees
+#                 every node up): the majority, with the store, goes on at world 6; n4 stops its
+#                 workers on its own clock and reports no quorum (event partitioned), forms no round
+#                 of its own; after heal it rejoins. Label partition (#29)
 #   kill_during_save  elastic.sbatch, 2 nodes x 2; the async save of step 20 is parked inside its
 #                 commit (ELASTRUN_TRAIN_PARK_SAVE_AT_STEP, a test switch of train) and every worker
 #                 is SIGKILLed there: one restart, resumed from step 15, no partial step left
@@ -113,6 +117,13 @@ events = ev.read(glob.glob(sys.argv[1] + "/events-*.jsonl"), warn=lambda _: None
 print(max((e["step"] for e in events if e["event"] == "step"), default=0))' "$out/logs"
 }
 past_step() { (($(progress) >= $1)); }
+# seen PYTHON_EXPR: true when the expression over `events` (the event logs so far) holds
+seen() {
+  /usr/bin/python3 -c '
+import glob, sys, elastrun.events as ev
+events = ev.read(glob.glob(sys.argv[1] + "/events-*.jsonl"), warn=lambda _: None)
+sys.exit(0 if eval(sys.argv[2]) else 1)' "$out/logs" "$1"
+}
 # wait_past_step N: until rank 0 has done N steps (fails if the job ends first)
 wait_past_step() {
   local n=$1 deadline=$((SECONDS + 180))
@@ -340,6 +351,25 @@ assert decisions.count("restart") == 1, f"expected one counted restart after the
 assert any(e["event"] == "worker_exit" and e["rank"] == 1 and e["exit_code"] == 1 for e in events), "no exit 1 of rank 1"
 assert len({e["run_id"] for e in rounds}) == 1, "expected one run (the het job survives in place, no requeue)"'
   scontrol show job "$survived" | grep -q "Restarts=0" || fail "het job $survived was requeued"
+  ;;
+partition)
+  submit 4 elastic.sbatch -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150
+  wait_past_step 12
+  "$TB" partition n1,n2,n3 / n4
+  # the majority (with the store) goes on at world 6; n4 stops its workers and waits without quorum
+  wait_for -i 0.5 90 seen 'any(e["event"] == "round" and e["world_size"] == 6 for e in events)' ||
+    fail "no round of world 6 after partition n1,n2,n3 / n4"
+  wait_for -i 0.5 60 seen 'any(e["event"] == "partitioned" and e["waiting"] and e["node"] == "n4" for e in events)' ||
+    fail "n4 did not report that it has no quorum"
+  "$TB" heal
+  check_promise '
+assert worlds[0] == 8 and 6 in worlds, "expected world 8, then 6 while n4 was cut off"
+assert 2 not in worlds, "n4 formed a round of its own"
+waits = {e["node"] for e in events if e["event"] == "partitioned" and e["waiting"]}
+assert waits == {"n4"}, f"expected only n4 without quorum, got {waits}"
+alone = [e for e in events if e["event"] == "round" and e["node"] == "n4" and e["world_size"] < 8]
+assert not alone, f"n4 was in a smaller round: {alone}"
+assert not any(e["event"] == "failure_decision" and e["action"] == "restart" for e in events), "a partition counted as a restart"'
   ;;
 kill_during_save)
   submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 100
