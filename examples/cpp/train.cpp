@@ -399,9 +399,10 @@ class Trainer {
   }
 
   // Tests only (the fault suite): with ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=N the asynchronous save of
-  // step N stops for good inside its commit on rank 0 (every shard written, the step not yet
-  // published) and writes <ckpt-dir>/train-parked-save-N, so that a test can SIGKILL the workers
-  // exactly while a checkpoint is being written. Once per job, like --fail-at-step.
+  // step N stops inside its commit on rank 0 (every shard written, the step not yet published)
+  // and writes <ckpt-dir>/train-parked-save-N, so that a test can SIGKILL the workers exactly
+  // while a checkpoint is being written, or cut the node off and then let the commit go on by
+  // creating <ckpt-dir>/train-parked-save-N.release. Once per job, like --fail-at-step.
   void maybe_park_save(std::uint64_t step) {
     const char* at = std::getenv("ELASTRUN_TRAIN_PARK_SAVE_AT_STEP");
     if (!at || rank_ != 0 || std::to_string(step) != at) return;
@@ -410,7 +411,9 @@ class Trainer {
     elastrun::ckpt::testing::set_fault_hook([parked](std::string_view point, int) {
       if (point != "commit.before_publish") return;
       std::ofstream(parked) << "parked\n";
-      while (true) std::this_thread::sleep_for(std::chrono::seconds(1));  // until killed
+      auto release = parked;
+      release += ".release";
+      while (!std::filesystem::exists(release)) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     });
     log("ELASTRUN_TRAIN_PARK_SAVE_AT_STEP={}: the save of step {} will stop inside its commit", step, step);
   }

@@ -38,6 +38,14 @@
 #                 every node up): the majority, with the store, goes on at world 6; n4 stops its
 #                 workers on its own clock and reports no quorum (event partitioned), forms no round
 #                 of its own; after heal it rejoins. Label partition (#29)
+#   partition_during_save  elastic.sbatch, 4 nodes x 2; rank 0's save of step 20 parked inside its
+#                 commit, then `isolate n1` (rank 0's node and the store's host); the commit is
+#                 released once n2..n4 re-formed at world 6 (they resume from 15): it does not land
+#                 (n1's agent stopped its workers when the others' leases ended; a commit asked for
+#                 then is refused by the fence: FencedCommit.* tests that part). After heal n1
+#                 rejoins. Label partition (#29)
+#   flap          elastic.sbatch, 4 nodes x 2; n4 cut off for 1 s and healed, twice (shorter than the
+#                 heartbeat timeout): at most one re-form per flap, n4 never alone. Label partition
 #   kill_during_save  elastic.sbatch, 2 nodes x 2; the async save of step 20 is parked inside its
 #                 commit (ELASTRUN_TRAIN_PARK_SAVE_AT_STEP, a test switch of train) and every worker
 #                 is SIGKILLed there: one restart, resumed from step 15, no partial step left
@@ -370,6 +378,41 @@ assert waits == {"n4"}, f"expected only n4 without quorum, got {waits}"
 alone = [e for e in events if e["event"] == "round" and e["node"] == "n4" and e["world_size"] < 8]
 assert not alone, f"n4 was in a smaller round: {alone}"
 assert not any(e["event"] == "failure_decision" and e["action"] == "restart" for e in events), "a partition counted as a restart"'
+  ;;
+partition_during_save)
+  # rank 0 (n1, also the store's host) is inside the commit of step 20 when n1 is cut off; the
+  # commit goes on only after the others have re-formed without n1 -- it must not land (fenced)
+  submit 4 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150
+  wait_for -i 0.2 180 test -e "$ckpt/train-parked-save-20" || fail "the save of step 20 was not parked"
+  "$TB" isolate n1
+  wait_for -i 0.5 90 seen 'any(e["event"] == "round" and e["world_size"] == 6 for e in events)' ||
+    fail "n2..n4 did not re-form without n1"
+  touch "$ckpt/train-parked-save-20.release"
+  wait_for -i 0.5 60 seen 'any(e["event"] == "partitioned" and e["waiting"] and e["node"] == "n1" for e in events)' ||
+    fail "n1 did not report that it has no quorum"
+  "$TB" heal
+  check_promise '
+assert worlds[0] == 8 and 6 in worlds, "expected world 8, then 6 without n1"
+waits = {e["node"] for e in events if e["event"] == "partitioned" and e["waiting"]}
+assert waits == {"n1"}, f"expected only n1 without quorum, got {waits}"
+resumed = [e["step"] for e in events if e["event"] == "resumed"]
+assert resumed and resumed[0] == 15, f"the others resumed from {resumed}: the parked step 20 must not count"'
+  # what became of the released commit on n1 (refused by the fence, or its worker stopped first)
+  grep -E "step 20.*(not committed|refused)|commit of .* refused" "$out/job.out" | head -3 || echo "n1's parked commit: its worker was stopped before it could ask"
+  ;;
+flap)
+  # a link that flaps faster than the heartbeat timeout: cut n4 off for 1 s, twice
+  submit 4 elastic.sbatch -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150
+  wait_past_step 12
+  for _ in 1 2; do
+    "$TB" partition n1,n2,n3 / n4
+    sleep 1
+    "$TB" heal
+    sleep 2
+  done
+  check_promise '
+assert worlds[0] == 8 and worlds[-1] == 8 and 2 not in worlds, "n4 formed a round of its own, or the job did not end at 8"
+assert len(worlds) <= 5, f"more than one re-form per flap (and back): {worlds}"'
   ;;
 kill_during_save)
   submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 100
