@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <fstream>
 
 #include "elastrun/rdzv/net.hpp"
 #include "elastrun/rdzv/store.hpp"
@@ -112,7 +113,15 @@ bool process_gone_here(const MemberInfo& m, const MemberInfo& me) {
   if (m.pid <= 0 || m.pid == me.pid) return false;
   const bool here =
       m.address == me.address || m.address.starts_with("127.") || m.address == "::1" || m.address == "localhost";
-  return here && ::kill(static_cast<pid_t>(m.pid), 0) != 0 && errno == ESRCH;
+  if (!here) return false;
+  if (::kill(static_cast<pid_t>(m.pid), 0) != 0) return errno == ESRCH;
+  // A zombie is gone too: killed with its parent (a node crash takes slurmstepd along), it waits
+  // to be reaped by whoever adopted it, which may take long. The state follows the last ')'.
+  std::ifstream stat(fmt::format("/proc/{}/stat", m.pid));
+  std::string line;
+  std::getline(stat, line);
+  const auto paren = line.rfind(')');
+  return paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z';
 }
 
 // Rounds that never formed (waits without quorum) leave gaps in the generations: this many are
@@ -595,7 +604,15 @@ bool Rendezvous::quorum_for(std::uint64_t gen, const std::vector<KeyValue>& join
   auto verdict = decide_quorum(
       members, [&](const MemberInfo& m) { return std::binary_search(joined.begin(), joined.end(), m.sort_key()); },
       [&](const MemberInfo& m) { return gone(m); });
-  if (verdict.ok) return true;
+  if (verdict.ok) {
+    // A majority again, or the others confirmed gone: from here --rdzv-conf join_timeout applies
+    // (a lone survivor below --nnodes MIN then fails with "only some ... joined": class node).
+    if (no_quorum_since_) {
+      tell_quorum_wait(false, verdict);
+      no_quorum_since_.reset();
+    }
+    return true;
+  }
   const auto now = Clock::now();
   if (!no_quorum_since_) {
     no_quorum_since_ = now;
@@ -622,7 +639,8 @@ void Rendezvous::tell_quorum_wait(bool waiting, const QuorumVerdict& v) {
     spdlog::warn("[rdzv] partitioned from {} of {} members ({}); no quorum; waiting", v.unreachable.size(), v.members,
                  fmt::join(v.unreachable, ", "));
   else
-    spdlog::info("[rdzv] a round formed again after {} ms without quorum", w.waited_ms);
+    spdlog::info("[rdzv] quorum again after {} ms: {} of {} members here, the others gone", w.waited_ms, v.present,
+                 v.members);
   told_unreachable_ = waiting ? v.unreachable : std::vector<std::string>{};
   if (config_.on_quorum_wait) config_.on_quorum_wait(w);
 }

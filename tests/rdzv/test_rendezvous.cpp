@@ -599,6 +599,28 @@ TEST(RendezvousProcess, WithoutQuorumForThePartitionTimeoutAMemberGivesUp) {
   kill(host.pid(), SIGCONT);
 }
 
+TEST(RendezvousProcess, ASurvivorBelowMinWhoseOtherIsConfirmedGoneLaterFailsOnTheJoinTimeout) {
+  // The other member hangs first (not gone: no quorum), then is killed (gone for certain): the
+  // quorum wait ends, and the lone survivor below --nnodes MIN fails on its join timeout as before
+  // quorums existed (the agent then requeues the job, class node), not after --partition-timeout.
+  auto ep = free_endpoint();
+  auto host_args = member_args(ep, "n0", 0, 2, 2, true);
+  host_args.insert(host_args.end(), {"--join-timeout-ms", "2000", "--partition-timeout-ms", "120000"});
+  Member host(host_args);
+  ASSERT_TRUE(host.next("store"));
+  Member b(member_args(ep, "n1", 1, 2, 2));
+  for (auto* m : {&host, &b}) ASSERT_TRUE(m->next("round"));
+  kill(b.pid(), SIGSTOP);
+  ASSERT_TRUE(host.next("no_quorum")) << "a hung member is not gone: no quorum";
+  b.kill9();
+  auto quorum = host.next("quorum");
+  ASSERT_TRUE(quorum) << "the wait did not end once the other member was gone";
+  EXPECT_EQ((*quorum)["present"], 1) << *quorum;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(WEXITSTATUS(host.wait_exit()), 3) << "expected the join timeout's error";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 60s) << "waited for --partition-timeout instead";
+}
+
 TEST(RendezvousProcess, WrongTokenIsRefused) {
   auto ep = free_endpoint();
   setenv("ELASTRUN_RDZV_TOKEN", "right", 1);
