@@ -19,6 +19,7 @@
 
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "elastrun/util/unique_fd.hpp"
+#include "elastrun/worker/contract.hpp"
 #include "h5.hpp"
 #include "internal.hpp"
 #include "manifest.hpp"
@@ -558,7 +559,9 @@ Decision decide(const std::vector<RankVote>& votes, const fs::path& path, const 
   return decision;
 }
 
+// The node's name as the agent says it (Slurm's, as in its logs and events), else the host name.
 std::string this_host() {
+  if (const char* node = std::getenv(std::string(contract::env::kNode).c_str()); node && *node) return node;
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0) return {};
   return name;

@@ -45,7 +45,7 @@ try:
 except ImportError as e:  # the pure-Python sources without the build (python/ on the path)
     raise ImportError(f"elastrun.checkpoint needs the compiled module elastrun._core ({e}): run scripts/setup and "
                       "import the package from build/python (PYTHONPATH=build/python)") from e
-from . import _comm, _tree
+from . import _comm, _contract, _tree
 from . import memory as _memory
 from ._tree import Shard, TreeError
 
@@ -386,7 +386,7 @@ def load(state_dict: Dict[str, Any], ckpt_dir: str, *, verify: bool = True, miss
             raise TypeError(f"state_dict must be a dict (got {type(state_dict).__name__})")
         have_dir = os.path.isdir(ckpt_dir)
         if comm.world_size > 1:
-            views = [json.loads(v) for v in _allgather(comm, {"dir": have_dir, "host": socket.gethostname()})]
+            views = [json.loads(v) for v in _allgather(comm, {"dir": have_dir, "host": os.environ.get(_contract.ENV_NODE) or socket.gethostname()})]
             without = [f"rank {r} (node {v['host']})" for r, v in enumerate(views) if not v["dir"]]
             if without and len(without) < len(views):
                 raise CheckpointError(f"{', '.join(without[:4])}{' and more' if len(without) > 4 else ''}: no "
