@@ -126,7 +126,8 @@ inline constexpr std::string_view kStoreLost =
     "store_lost";  // agent: the rendezvous store went away (failover follows)
 inline constexpr std::string_view kPartitioned =
     "partitioned";  // agent: no quorum: cut off from a majority of the last round, this node waits without training
-                    // (waiting true); or a round formed again after such a wait (waiting false)
+                    // (waiting true); or the wait ended (waiting false): a round formed again, or every absent member
+                    // was confirmed gone (then `--rdzv-conf join_timeout` applies as usual)
 inline constexpr std::string_view kWorkersStarted = "workers_started";    // agent: this node's workers were started
 inline constexpr std::string_view kWorkerExit = "worker_exit";            // agent: a worker exited
 inline constexpr std::string_view kFailureDecision = "failure_decision";  // agent: what the agent does about a failure
