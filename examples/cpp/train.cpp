@@ -418,6 +418,24 @@ class Trainer {
     log("ELASTRUN_TRAIN_PARK_SAVE_AT_STEP={}: the save of step {} will stop inside its commit", step, step);
   }
 
+  // Tests only (the fault suite): with ELASTRUN_TRAIN_PARK_MEMORY_AT=STEP@NODE local rank 0 on
+  // node NODE stops inside its memory snapshot of STEP (written into the agent's segment, not yet
+  // committed) and writes <ckpt-dir>/train-parked-memory-STEP, so that a test can cut the node off
+  // while it is writing a memory checkpoint; <ckpt-dir>/train-parked-memory-STEP.release lets it
+  // go on. Once per job.
+  void maybe_park_memory_save(std::uint64_t step) {
+    const std::string at = env_or("ELASTRUN_TRAIN_PARK_MEMORY_AT", "");
+    if (at.empty() || at != fmt::format("{}@{}", step, node_) || args_.ckpt_dir.empty()) return;
+    if (env_or("LOCAL_RANK", "0") != "0") return;
+    const auto parked = std::filesystem::path(args_.ckpt_dir) / fmt::format("train-parked-memory-{}", step);
+    if (std::filesystem::exists(parked)) return;  // parked once already in this job
+    std::ofstream(parked) << "parked\n";
+    log("ELASTRUN_TRAIN_PARK_MEMORY_AT={}: the memory snapshot of step {} stops before its commit", at, step);
+    auto release = parked;
+    release += ".release";
+    while (!std::filesystem::exists(release)) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+
   // One step over the global samples [next_sample_, next_sample_ + B): this rank's share,
   // loss = sum of squared errors / B, gradients all-reduced with SUM together with the loss and
   // the control flags (one all-reduce per step; every rank takes the same decision).
@@ -623,6 +641,7 @@ class Trainer {
         at += n;
       }
       const auto checksum = fnv1a(out, total);
+      maybe_park_memory_save(step);
       memory_->commit(std::move(segment), checksum);
       if (rank_ == 0)
         events_.write("checkpoint_saved", rank_,

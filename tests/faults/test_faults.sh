@@ -37,7 +37,9 @@
 #   partition     elastic.sbatch, 4 nodes x 2; testbed partition n1,n2,n3 / n4 mid-run (Slurm sees
 #                 every node up): the majority, with the store, goes on at world 6; n4 stops its
 #                 workers on its own clock and reports no quorum (event partitioned), forms no round
-#                 of its own; after heal it rejoins. Label partition (#29)
+#                 of its own; after heal it rejoins. With a memory snapshot every step, and n4 cut
+#                 off while writing the one of step 20 (parked before its commit): world 6 resumes
+#                 from step 20 in the others' memory. Label partition (#29)
 #   partition_during_save  elastic.sbatch, 4 nodes x 2; rank 0's save of step 20 parked inside its
 #                 commit, then `isolate n1` (rank 0's node and the store's host); the commit is
 #                 released once n2..n4 re-formed at world 6 (they resume from 15): it does not land
@@ -164,7 +166,7 @@ check_promise() {
   /usr/bin/python3 - "$out/events.json" "$expect" "$preload" <<'PY' || fail "3/5: the event logs do not show what should have happened (above)"
 import json, sys
 events = json.load(open(sys.argv[1]))
-saved = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("rank") == 0]
+saved = [e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("rank") == 0 and e.get("tier", "file") == "file"]
 assert saved, "3: no checkpoint was committed"
 assert all(a < b for a, b in zip(saved, saved[1:])), f"3: committed steps do not strictly increase: {saved}"
 rounds = [e for e in events if e["event"] == "round"]
@@ -361,8 +363,11 @@ assert len({e["run_id"] for e in rounds}) == 1, "expected one run (the het job s
   scontrol show job "$survived" | grep -q "Restarts=0" || fail "het job $survived was requeued"
   ;;
 partition)
-  submit 4 elastic.sbatch -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150
-  wait_past_step 12
+  # with a memory snapshot every step, and n4 cut off while it writes the one of step 20 (#29 (7)):
+  # its local rank 0 is parked between the write into the agent's segment and the commit
+  submit 4 elastic.sbatch ELASTRUN_TRAIN_PARK_MEMORY_AT=20@n4 -- "${agent_args[@]}" --memory-checkpoints=64M \
+    "${trainer[@]}" "${train_args[@]}" --step-ms 150 --memory-every 1
+  wait_for -i 0.2 180 test -e "$ckpt/train-parked-memory-20" || fail "n4's memory snapshot of step 20 was not parked"
   "$TB" partition n1,n2,n3 / n4
   # the majority (with the store) goes on at world 6; n4 stops its workers and waits without quorum
   wait_for -i 0.5 90 seen 'any(e["event"] == "round" and e["world_size"] == 6 for e in events)' ||
@@ -370,8 +375,11 @@ partition)
   wait_for -i 0.5 60 seen 'any(e["event"] == "partitioned" and e["waiting"] and e["node"] == "n4" for e in events)' ||
     fail "n4 did not report that it has no quorum"
   "$TB" heal
+  touch "$ckpt/train-parked-memory-20.release"  # (n4's worker was stopped while parked)
   check_promise '
 assert worlds[0] == 8 and 6 in worlds, "expected world 8, then 6 while n4 was cut off"
+resumed = [(e["step"], e["source"]) for e in events if e["event"] == "resumed"]
+assert resumed and resumed[0] == (20, "memory-local"), f"world 6 resumed from {resumed}: expected step 20 in memory"
 assert 2 not in worlds, "n4 formed a round of its own"
 waits = {e["node"] for e in events if e["event"] == "partitioned" and e["waiting"]}
 assert waits == {"n4"}, f"expected only n4 without quorum, got {waits}"
@@ -412,7 +420,13 @@ flap)
   done
   check_promise '
 assert worlds[0] == 8 and worlds[-1] == 8 and 2 not in worlds, "n4 formed a round of its own, or the job did not end at 8"
+t0 = min(e["time"] for e in events)
+causes = [(round(e["time"] - t0, 2), e["node"], e["event"], e.get("member", e.get("state", e.get("generation", ""))))
+          for e in events if e["event"] in ("member_lost", "store_lost", "partitioned", "round", "state", "worker_exit")
+          and (e["event"] != "round" or e["node"] == "n1") and (e["event"] != "state" or e["node"] == "n4")]
+print("flap: what ended rounds:", sorted(causes)[:60])
 assert len(worlds) <= 5, f"more than one re-form per flap (and back): {worlds}"'
+  grep -E "\] \[rdzv\]" "$out/job.out" | head -20  # how each flap went (shown with ctest -V or on failure)
   ;;
 kill_during_save)
   submit 2 elastic.sbatch ELASTRUN_TRAIN_PARK_SAVE_AT_STEP=20 -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 100
