@@ -7,6 +7,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <thread>
 
@@ -382,7 +383,19 @@ Transition Agent::membership_changed(states::MembershipChanged entered) {
                 ? std::string("rendezvous closed by another agent: stopping workers")
                 : fmt::format("{}: stopping workers, re-forming (no restart counted)", to_string(entered.change)));
   if (entered.change == Change::MemberWaiting && o_.scale_up_checkpoint) checkpoint_before_scale_up();
+  // The store lost (a cut link, or its host gone): while the workers stop, try it again at once, so
+  // that after a short cut the others find this node alive when they re-form.
+  std::future<void> reconnecting;
+  if (entered.change == Change::StoreLost)
+    reconnecting = std::async(std::launch::async, [this] {
+      try {
+        rdzv_->reconnect_to_the_same_store();
+      } catch (const std::exception& e) {
+        spdlog::warn("warning: reconnecting to the rendezvous store: {}", e.what());
+      }
+    });
   stop_workers(o_.stop_grace);
+  if (reconnecting.valid()) reconnecting.get();
   return states::Rendezvous{};
 }
 

@@ -708,6 +708,26 @@ bool Rendezvous::move_if_the_job_is_elsewhere() {
   }
 }
 
+bool Rendezvous::reconnect_to_the_same_store() {
+  if (!store_lost_ || !connector_ || round_.generation == 0) return false;
+  const auto address = store_port_ ? store_address_ : config_.primary_address;
+  const auto port = store_port_ ? store_port_ : config_.primary_port;
+  if (address.empty() || port == 0) return false;
+  try {
+    auto kv = connector_(address, port);
+    if (!kv->get(prefix_ + "gen")) return false;  // not the job's store any more: fail over as usual
+    auto hb = connector_(address, port);
+    switch_store(std::move(kv), std::move(hb), store_node_, address, port);
+    ensure_alive();
+    spdlog::warn("[rdzv] reconnected to the store at {}:{} with a new lease", address, port);
+    return true;
+  } catch (const StoreError& e) {
+    spdlog::info("[rdzv] the store at {}:{} does not answer yet ({}): failing over", address, port, e.what());
+    store_lost_ = true;
+    return false;
+  }
+}
+
 Change Rendezvous::wait_for_change(Millis timeout) {
   const auto deadline = Clock::now() + timeout;
   while (true) {

@@ -210,6 +210,14 @@ class Rendezvous {
   // While a round runs: blocks until something calls for a new round, or `timeout`.
   Change wait_for_change(Millis timeout);
 
+  // After wait_for_change() said StoreLost: one quick try (about a second) to reconnect to the
+  // same store and take a new lease there. A link that flapped then costs one re-form, not two:
+  // the others, re-forming after our old lease ended, find us alive and wait for us instead of
+  // forming without us first. False if the store does not answer (next_round() fails over as
+  // usual). The agent calls it on a thread of its own while it stops its workers: no other call
+  // of this object may run meanwhile (the heartbeat thread is fine).
+  bool reconnect_to_the_same_store();
+
   // After a local worker failure, before it is counted against the restart budget: is every
   // other member of the round alive? A worker dies of a broken collective ("Connection reset by
   // peer") within ~0.1 s of a peer node's death, long before a store that learns of deaths by
