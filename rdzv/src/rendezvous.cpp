@@ -268,7 +268,7 @@ bool Rendezvous::advance_generation(std::uint64_t from) {
 }
 
 const RoundResult& Rendezvous::next_round() {
-  const auto join_deadline = Clock::now() + config_.join_timeout;
+  join_deadline_ = Clock::now() + config_.join_timeout;
   std::uint64_t gen = 0;
   while (true) {
     try {
@@ -304,7 +304,7 @@ const RoundResult& Rendezvous::next_round() {
         throw;
       }
     }
-    if (Clock::now() > join_deadline && !no_quorum_since_)  // without quorum: --partition-timeout
+    if (Clock::now() > join_deadline_ && !no_quorum_since_)  // without quorum: --partition-timeout
       throw RendezvousError(
           fmt::format("only some of the required {} nodes joined round {} within {} s (--rdzv-conf join_timeout)",
                       config_.min_nodes, gen, config_.join_timeout.count() / 1000));
@@ -355,7 +355,8 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
     }
     if (fenced_) return std::nullopt;
     // without quorum the wait is --partition-timeout's (try_close), and other stores are probed
-    Millis wait = no_quorum_since_ ? Millis(1000) : std::chrono::ceil<Millis>(join_deadline - Clock::now());
+    Millis wait = no_quorum_since_ ? Millis(1000)
+                                   : std::chrono::ceil<Millis>(std::max(join_deadline, join_deadline_) - Clock::now());
     bool idle_check = false;
     if (last_call) {
       auto left = to_i64(*last_call).value_or(0) - wall_ms();
@@ -606,10 +607,12 @@ bool Rendezvous::quorum_for(std::uint64_t gen, const std::vector<KeyValue>& join
       [&](const MemberInfo& m) { return gone(m); });
   if (verdict.ok) {
     // A majority again, or the others confirmed gone: from here --rdzv-conf join_timeout applies
-    // (a lone survivor below --nnodes MIN then fails with "only some ... joined": class node).
+    // afresh (a lone survivor below --nnodes MIN then fails with "only some ... joined": class
+    // node; after a heal the others have that long to come back).
     if (no_quorum_since_) {
       tell_quorum_wait(false, verdict);
       no_quorum_since_.reset();
+      join_deadline_ = Clock::now() + config_.join_timeout;
     }
     return true;
   }
@@ -639,8 +642,8 @@ void Rendezvous::tell_quorum_wait(bool waiting, const QuorumVerdict& v) {
     spdlog::warn("[rdzv] partitioned from {} of {} members ({}); no quorum; waiting", v.unreachable.size(), v.members,
                  fmt::join(v.unreachable, ", "));
   else
-    spdlog::info("[rdzv] quorum again after {} ms: {} of {} members here, the others gone", w.waited_ms, v.present,
-                 v.members);
+    spdlog::info("[rdzv] quorum again after {} ms: {} of {} members here{}", w.waited_ms, v.present, v.members,
+                 2 * v.present > v.members ? "" : ", the others gone");
   told_unreachable_ = waiting ? v.unreachable : std::vector<std::string>{};
   if (config_.on_quorum_wait) config_.on_quorum_wait(w);
 }
@@ -714,11 +717,14 @@ bool Rendezvous::reconnect_to_the_same_store() {
   const auto port = store_port_ ? store_port_ : config_.primary_port;
   if (address.empty() || port == 0) return false;
   try {
+    // about a second, whatever happens: a link cut again must not hold the agent here
     auto kv = connector_(address, port);
+    kv->set_reply_timeout(keep_alive_patience());
     if (!kv->get(prefix_ + "gen")) return false;  // not the job's store any more: fail over as usual
     auto hb = connector_(address, port);
     switch_store(std::move(kv), std::move(hb), store_node_, address, port);
     ensure_alive();
+    kv_->set_reply_timeout(kStoreReplyTimeout);  // back to the protocol connection's own
     spdlog::warn("[rdzv] reconnected to the store at {}:{} with a new lease", address, port);
     return true;
   } catch (const StoreError& e) {

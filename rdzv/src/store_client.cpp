@@ -21,7 +21,7 @@ struct StoreClient::Impl {
   std::string endpoint;
   FrameDecoder decoder{kMaxResponseBytes};
   std::uint32_t next_id = 1;
-  Millis io_timeout{30000};  // a request's reply, beyond its own wait
+  Millis io_timeout = kStoreReplyTimeout;  // a request's reply, beyond its own wait
   // interrupt() shuts the socket down from another thread; closing it takes this mutex too, so
   // a descriptor number is never shut down after it was closed (and maybe reused).
   std::mutex fd_mutex;

@@ -13,6 +13,10 @@ namespace elastrun::rdzv {
 
 using Millis = std::chrono::milliseconds;
 
+// How long the embedded store's client waits for a reply beyond the request's own wait, unless
+// set_reply_timeout() says otherwise.
+inline constexpr Millis kStoreReplyTimeout{30000};
+
 struct KeyValue {
   std::string key;
   std::string value;
@@ -51,7 +55,7 @@ class KvBackend {
   virtual bool keep_alive(std::uint64_t lease) = 0;
   virtual void revoke_lease(std::uint64_t lease) = 0;
   // How long a reply may take beyond the request's own wait before the store counts as lost
-  // (ConnectionLost). The embedded store's client: 30 s unless set; etcd's backend keeps its own.
+  // (ConnectionLost). The embedded store's client: kStoreReplyTimeout unless set; etcd's backend keeps its own.
   virtual void set_reply_timeout(Millis /*timeout*/) {}
   // Called from another thread: a call blocked on this connection fails at once with
   // ConnectionLost, and so does every later one (the embedded store's client shuts its socket

@@ -305,6 +305,9 @@ class Rendezvous {
   std::uint16_t store_port_ = 0;  // 0: the first store (config primary)
   std::optional<std::chrono::steady_clock::time_point> no_quorum_since_;
   std::chrono::steady_clock::time_point next_probe_{};
+  // next_round()'s join deadline; a wait without quorum that ends without a round starts it anew
+  // (the join timeout counts from when a quorum is there again)
+  std::chrono::steady_clock::time_point join_deadline_{};
   std::vector<std::string> told_unreachable_;
   std::vector<std::string> gone_;  // sort keys confirmed gone (stays true)
 
