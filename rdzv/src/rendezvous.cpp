@@ -351,6 +351,8 @@ std::optional<RoundResult> Rendezvous::try_form(std::uint64_t gen) {
       if (auto result = finish_round(gen, std::move(*roster), rev)) return result;
       kv_->remove(round + "join/" + my_key_);
       wait_as_late_joiner(gen);
+      // however long we waited as a spare, the next round gets a whole join timeout
+      join_deadline_ = Clock::now() + config_.join_timeout;
       return std::nullopt;
     }
     if (fenced_) return std::nullopt;

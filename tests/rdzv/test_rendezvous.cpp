@@ -574,6 +574,9 @@ TEST(RendezvousProcess, HalfOfTheMembersKilledIsConfirmedGoneOnTheSameHost) {
   Member c(member_args(ep, "n2", 2, 1, 4));
   Member d(member_args(ep, "n3", 3, 1, 4));
   for (auto* m : {&host, &b, &c, &d}) ASSERT_TRUE(m->next("round"));
+  // both frozen first: else d may join a round of three between the two kills
+  kill(c.pid(), SIGSTOP);
+  kill(d.pid(), SIGSTOP);
   c.kill9();
   d.kill9();
   for (auto* m : {&host, &b}) {
@@ -619,6 +622,24 @@ TEST(RendezvousProcess, ASurvivorBelowMinWhoseOtherIsConfirmedGoneLaterFailsOnTh
   const auto start = std::chrono::steady_clock::now();
   EXPECT_EQ(WEXITSTATUS(host.wait_exit()), 3) << "expected the join timeout's error";
   EXPECT_LT(std::chrono::steady_clock::now() - start, 60s) << "waited for --partition-timeout instead";
+}
+
+TEST(RendezvousProcess, ASpareThatWaitedLongerThanTheJoinTimeoutStillJoinsWhenANodeIsLost) {
+  // A spare waits in the wait list as long as the job runs at full size; a loss then calls it in.
+  // Its join timeout counts from there, not from when it started waiting.
+  auto ep = free_endpoint();
+  Member host(member_args(ep, "n0", 0, 2, 2, true));
+  ASSERT_TRUE(host.next("store"));
+  Member b(member_args(ep, "n1", 1, 2, 2));
+  for (auto* m : {&host, &b}) ASSERT_TRUE(m->next("round"));
+  auto spare_args = member_args(ep, "n2", 2, 2, 2);
+  spare_args.insert(spare_args.end(), {"--join-timeout-ms", "1500"});
+  Member spare(spare_args);
+  std::this_thread::sleep_for(3s);  // twice its join timeout in the wait list
+  b.kill9();
+  auto r = spare.next("round", 20s);
+  ASSERT_TRUE(r) << "the spare did not join the round after the loss";
+  EXPECT_EQ((*r)["members"], json::array({"n0", "n2"})) << *r;
 }
 
 TEST(RendezvousProcess, WrongTokenIsRefused) {
