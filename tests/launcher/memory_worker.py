@@ -37,8 +37,13 @@ if attempt == 0:
     for step in (1, 2, 3):
         data = payload(step)
         tier.put(step, rank, data, checksum=zlib.crc32(data))
+    open(f"{out}/put.{rank}", "w").close()
     if rank == 1:
-        sys.exit(3)  # a crash after step 3's snapshot
+        # a crash after step 3's snapshot -- of both ranks: rank 0, stopped by the agent when this
+        # one fails, may not have put its snapshots yet on a loaded machine
+        while not os.path.exists(f"{out}/put.0"):
+            time.sleep(0.02)
+        sys.exit(3)
     time.sleep(60)  # stopped by the agent when rank 1 fails
     sys.exit(0)
 got = tier.get(rank)
