@@ -718,21 +718,37 @@ bool Rendezvous::reconnect_to_the_same_store() {
   const auto address = store_port_ ? store_address_ : config_.primary_address;
   const auto port = store_port_ ? store_port_ : config_.primary_port;
   if (address.empty() || port == 0) return false;
-  try {
-    // about a second, whatever happens: a link cut again must not hold the agent here
-    auto kv = connector_(address, port);
-    kv->set_reply_timeout(keep_alive_patience());
-    if (!kv->get(prefix_ + "gen")) return false;  // not the job's store any more: fail over as usual
-    auto hb = connector_(address, port);
-    switch_store(std::move(kv), std::move(hb), store_node_, address, port);
-    ensure_alive();
-    kv_->set_reply_timeout(kStoreReplyTimeout);  // back to the protocol connection's own
-    spdlog::warn("[rdzv] reconnected to the store at {}:{} with a new lease", address, port);
-    return true;
-  } catch (const StoreError& e) {
-    spdlog::info("[rdzv] the store at {}:{} does not answer yet ({}): failing over", address, port, e.what());
-    store_lost_ = true;
-    return false;
+  // A link that flaps: try again while the cut may last, for up to a heartbeat timeout (by then
+  // the others have declared this node dead, and the failover's probing finds the job again after
+  // a heal). One attempt is about a second whatever happens (the connector's connect timeout, then
+  // the keep-alive patience for the reply), so a link cut again cannot hold the agent here. A
+  // refusal ends it at once: nothing listens there (the store's host or agent is gone), or the
+  // store is not the job's any more.
+  constexpr Millis kPause{100};
+  const auto deadline = Clock::now() + config_.heartbeat_timeout;
+  for (int attempt = 1;; ++attempt) {
+    try {
+      auto kv = connector_(address, port);
+      kv->set_reply_timeout(keep_alive_patience());
+      if (!kv->get(prefix_ + "gen")) return false;  // not the job's store any more: fail over as usual
+      auto hb = connector_(address, port);
+      switch_store(std::move(kv), std::move(hb), store_node_, address, port);
+      ensure_alive();
+      kv_->set_reply_timeout(kStoreReplyTimeout);  // back to the protocol connection's own
+      spdlog::warn("[rdzv] reconnected to the store at {}:{} with a new lease{}", address, port,
+                   attempt > 1 ? fmt::format(" (attempt {})", attempt) : std::string());
+      return true;
+    } catch (const StoreError& e) {
+      store_lost_ = true;
+      const bool may_come_back =
+          (e.kind() == StoreErrorKind::ConnectionLost && !e.refused()) || e.kind() == StoreErrorKind::Timeout;
+      if (!may_come_back || Clock::now() + kPause >= deadline) {
+        spdlog::info("[rdzv] the store at {}:{} does not answer ({}; {} attempt(s)): failing over", address, port,
+                     e.what(), attempt);
+        return false;
+      }
+      std::this_thread::sleep_for(kPause);
+    }
   }
 }
 

@@ -103,7 +103,8 @@ StoreClient::StoreClient(const std::string& host, std::uint16_t port, const Auth
   try {
     impl_->fd = connect_tcp(host, port, connect_timeout);
   } catch (const std::system_error& e) {
-    throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("cannot reach the store: {}", e.what()));
+    throw StoreError(StoreErrorKind::ConnectionLost, fmt::format("cannot reach the store: {}", e.what()),
+                     e.code() == std::errc::connection_refused);
   }
   Request hello;
   hello.op = Op::Hello;

@@ -3,6 +3,7 @@
 //   {"v":1,"time":..,"node":..,"run_id":..,"event":"store","port":P}   this process hosts the store (schema v1)
 //   {"event":"round","gen":G,"group_rank":..,...}    a round including us completed
 //   {"event":"change","what":"member lost"}          something calls for a new round
+//   {"event":"reconnected"}                          after "store lost": back on the same store
 // With --slurm everything comes from the environment (zero flags), as the agent will do.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -152,6 +153,8 @@ int main(int argc, char** argv) {
       while (change == Change::None) change = rdzv.wait_for_change(Millis(60000));
       emit("change", {{"what", std::string(to_string(change))}});
       if (change == Change::Closed) return 0;
+      // as the agent does while its workers stop (launcher/src/agent.cpp, membership_changed)
+      if (change == Change::StoreLost && rdzv.reconnect_to_the_same_store()) emit("reconnected", {});
     }
     return 0;
   } catch (const RendezvousClosed& e) {

@@ -346,6 +346,79 @@ TEST(FencedCommit, AMemberDeclaredDeadCommitsNothing) {
   EXPECT_FALSE(why.empty());
 }
 
+// ---- reconnecting after a cut link ----------------------------------------------------------
+
+// A member of Cluster `c` whose store connections are opened by `connector` after a loss (the
+// agent's is bootstrap.cpp's store_connector); *protocol is its protocol connection.
+std::unique_ptr<Rendezvous> reconnecting_member(Cluster& c, StoreConnector connector, KvBackend** protocol) {
+  MemberInfo me;
+  me.node_name = "n0";
+  me.address = "127.0.0.1";
+  RendezvousConfig cfg;
+  cfg.run_id = "rt";
+  cfg.last_call_timeout = 300ms;
+  cfg.heartbeat_timeout = 2s;
+  cfg.primary_address = "127.0.0.1";
+  cfg.primary_port = c.server.port();
+  auto kv = c.client();
+  *protocol = kv.get();
+  return std::make_unique<Rendezvous>(std::move(kv), c.client(), cfg, me, std::move(connector));
+}
+
+std::unique_ptr<KvBackend> connect_test_store(const std::string& address, std::uint16_t port) {
+  return std::make_unique<StoreClient>(address, port, AuthConfig{}, "rt");
+}
+
+TEST(RendezvousReconnect, TriesAgainWhileTheLinkIsCutAndTakesANewLeaseOnTheSameStore) {
+  Cluster c;
+  int attempts = 0;
+  KvBackend* protocol = nullptr;
+  auto r = reconnecting_member(
+      c,
+      [&](const std::string& address, std::uint16_t port) {
+        // a cut link: connecting times out (SYNs dropped) twice, then the link is back
+        if (++attempts <= 2) throw StoreError(StoreErrorKind::ConnectionLost, "cannot reach the store: timed out");
+        return connect_test_store(address, port);
+      },
+      &protocol);
+  const auto first = r->next_round();
+  protocol->interrupt();  // the protocol connection drops, as when the link is cut
+  ASSERT_EQ(r->wait_for_change(5s), Change::StoreLost);
+  EXPECT_TRUE(r->reconnect_to_the_same_store());
+  EXPECT_EQ(attempts, 4) << "two cut attempts, then the protocol and heartbeat connections";
+  auto watcher = c.client();
+  EXPECT_EQ(watcher->get_prefix("elastrun/rt/alive/").size(), 1U) << "no live lease on the same store";
+  const auto next = r->next_round();
+  EXPECT_EQ(next.generation, first.generation + 1) << "re-formed on the same store, not failed over";
+}
+
+TEST(RendezvousReconnect, ARefusedConnectionFailsOverAtOnceAndACutThatLastsEndsAfterTheHeartbeatTimeout) {
+  for (const bool refused : {true, false}) {
+    Cluster c;
+    int attempts = 0;
+    KvBackend* protocol = nullptr;
+    auto r = reconnecting_member(
+        c,
+        [&](const std::string&, std::uint16_t) -> std::unique_ptr<KvBackend> {
+          ++attempts;
+          throw StoreError(StoreErrorKind::ConnectionLost, "cannot reach the store", refused);
+        },
+        &protocol);
+    r->next_round();
+    protocol->interrupt();
+    ASSERT_EQ(r->wait_for_change(5s), Change::StoreLost);
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_FALSE(r->reconnect_to_the_same_store());
+    if (refused) {
+      EXPECT_EQ(attempts, 1) << "nothing listens there: no reason to wait";
+    } else {
+      EXPECT_GT(attempts, 1) << "a timeout may be a short cut: try again";
+      EXPECT_GE(std::chrono::steady_clock::now() - start, 1s) << "gave up before the heartbeat timeout (2 s)";
+      EXPECT_LT(std::chrono::steady_clock::now() - start, 15s);
+    }
+  }
+}
+
 // ---- real processes --------------------------------------------------------------------------
 
 class Member {

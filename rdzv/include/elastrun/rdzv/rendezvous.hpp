@@ -210,11 +210,12 @@ class Rendezvous {
   // While a round runs: blocks until something calls for a new round, or `timeout`.
   Change wait_for_change(Millis timeout);
 
-  // After wait_for_change() said StoreLost: one quick try (about a second) to reconnect to the
-  // same store and take a new lease there. A link that flapped then costs one re-form, not two:
-  // the others, re-forming after our old lease ended, find us alive and wait for us instead of
-  // forming without us first. False if the store does not answer (next_round() fails over as
-  // usual). The agent calls it on a thread of its own while it stops its workers: no other call
+  // After wait_for_change() said StoreLost: reconnect to the same store and take a new lease
+  // there, trying again while the link may still be cut (timeouts, not refusals) for up to a
+  // heartbeat timeout. A link that flapped then costs one re-form, not two: the others,
+  // re-forming after our old lease ended, find us alive and wait for us instead of forming
+  // without us first. False if the store does not answer by then or refuses (next_round() fails
+  // over as usual). The agent calls it on a thread of its own while it stops its workers: no other call
   // of this object may run meanwhile (the heartbeat thread is fine).
   bool reconnect_to_the_same_store();
 

@@ -46,11 +46,16 @@ std::string_view to_string(StoreErrorKind kind);
 // A store request failed: transport, refusal, or a status the caller did not expect.
 class StoreError : public std::runtime_error {
  public:
-  StoreError(StoreErrorKind kind, const std::string& what) : std::runtime_error(what), kind_(kind) {}
+  StoreError(StoreErrorKind kind, const std::string& what, bool refused = false)
+      : std::runtime_error(what), kind_(kind), refused_(refused) {}
   StoreErrorKind kind() const { return kind_; }
+  // ConnectionLost because nothing listens there (the connection was refused): the store's
+  // process or host is gone, not a link that may come back (a timeout).
+  bool refused() const { return refused_; }
 
  private:
   StoreErrorKind kind_;
+  bool refused_ = false;
 };
 
 struct StoreServerOptions {
