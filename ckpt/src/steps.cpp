@@ -12,6 +12,9 @@
 #include <set>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
 
 #include "elastrun/ckpt/checkpoint.hpp"
 #include "internal.hpp"
@@ -85,7 +88,21 @@ std::vector<std::string> detail::commit(const fs::path& root, const fs::path& te
     detail::fsync_path(temporary, true);
   }
   detail::fault_point("commit.before_publish", 0);
-  detail::fence_commit(final_path);  // a node cut off from the quorum commits nothing
+  // A node cut off from the quorum commits nothing; a step that is committed says by which round.
+  if (const auto token = detail::fence_commit(final_path); !token.empty()) {
+    const fs::path record = temporary / kCommitRecord;
+    {
+      std::ofstream out(record);
+      out << nlohmann::json{{"fence_token", token}}.dump() << '\n';
+      out.flush();
+      if (!out)
+        throw CheckpointError(fmt::format("{} not committed: cannot write {}", final_path.string(), record.string()));
+    }
+    if (options.fsync) {
+      detail::fsync_path(record, false);
+      detail::fsync_path(temporary, true);
+    }
+  }
   const fs::path replaced = publish(root, temporary, final_path, step, generation);
   // Committed. Nothing below may turn this into a reported failure.
   std::vector<std::string> warnings;

@@ -25,7 +25,8 @@ std::vector<std::string> commit(const std::filesystem::path& root, const std::fi
                                 std::uint64_t step, const std::string& generation, const SaveOptions& options);
 
 // Rank 0, just before the rename: under an elastrun agent, its round must still hold a quorum
-// on the rendezvous store (fence.cpp). Throws CheckpointError naming why; nothing without one.
-void fence_commit(const std::filesystem::path& step_dir);
+// on the rendezvous store (fence.cpp). Returns the round's fence token ("" without an agent);
+// throws CheckpointError naming why the commit may not go ahead.
+std::string fence_commit(const std::filesystem::path& step_dir);
 
 }  // namespace elastrun::ckpt::detail

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <bit>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <iostream>
@@ -103,6 +104,19 @@ fs::path resolve_step(const fs::path& given) {
   return given;
 }
 
+// " (committed by rendezvous round G, requeue R)" from the step's fence token, "" without one.
+std::string committed_by(const fs::path& step_dir) {
+  const auto token = commit_token(step_dir);
+  if (token.empty()) return "";
+  std::uint64_t requeues = 0, generation = 0;
+  const char* end = token.data() + token.size();
+  const auto [dot, ec1] = std::from_chars(token.data(), end, requeues);
+  if (ec1 != std::errc{} || dot == end || *dot != '.') return fmt::format(" (committed by round '{}')", token);
+  const auto [rest, ec2] = std::from_chars(dot + 1, end, generation);
+  if (ec2 != std::errc{} || rest != end) return fmt::format(" (committed by round '{}')", token);
+  return fmt::format(" (committed by rendezvous round {}, requeue {})", generation, requeues);
+}
+
 int command_ls(const fs::path& root) {
   std::error_code ec;
   if (!fs::is_directory(root, ec)) {
@@ -137,8 +151,8 @@ int command_ls(const fs::path& root) {
     }
     if (fs::exists(entry.path / kRejectedMarker, ec))
       status += fmt::format(" (a restore rejected it: {}; retention keeps it)", kRejectedMarker);
-    fmt::print("{:<16} {:>10} {:>6}  {}{}\n", entry.step, human_bytes(directory_bytes(entry.path)), world, status,
-               name == latest ? " (latest)" : "");
+    fmt::print("{:<16} {:>10} {:>6}  {}{}{}\n", entry.step, human_bytes(directory_bytes(entry.path)), world, status,
+               name == latest ? " (latest)" : "", committed_by(entry.path));
   }
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();

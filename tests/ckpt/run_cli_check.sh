@@ -13,6 +13,12 @@ step="$work/ckpt/step-000000042"
 
 "$tool" ls "$work/ckpt" > "$work/ls.out" || fail "ls exit"
 grep -q "^42 .* 4  ok (latest)" "$work/ls.out" || fail "ls output: $(cat "$work/ls.out")"
+# A step committed under an agent names the round that committed it (its fence token).
+echo '{"fence_token": "000001.000000000003"}' > "$step/committed-by.json"
+"$tool" ls "$work/ckpt" > "$work/ls.out" || fail "ls exit with a commit record"
+grep -q "^42 .* ok (latest) (committed by rendezvous round 3, requeue 1)$" "$work/ls.out" ||
+  fail "ls does not show the committing round: $(cat "$work/ls.out")"
+rm "$step/committed-by.json"
 # Leftovers are listed for what they are: a retired step being deleted, an interrupted save.
 mkdir "$work/ckpt/step-000000007.deleting-0123abcd" "$work/ckpt/step-000000043.tmp-4567ef01"
 "$tool" ls "$work/ckpt" > "$work/ls.out" || fail "ls exit with leftovers"

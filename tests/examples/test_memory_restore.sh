@@ -38,6 +38,13 @@ assert 17 in memory and len(memory) >= 25, memory  # every step but the last, fr
 files = {e["step"] for e in events if e["event"] == "checkpoint_saved" and e.get("tier") == "file"}
 assert {20, 30} <= files <= {10, 20, 30}, files  # 10: unless its commit was cut short by the crash
 PY
+# every file step committed under the agent says which round committed it (the fence's token);
+# steps without an agent (run A) have no record
+"$tool" ls "$out/m" >"$out/m.ls" || fail "ls M: $(cat "$out/m.ls")"
+listed=$(grep -cE "^[0-9]+ " "$out/m.ls" || true)
+recorded=$(grep -cE "^[0-9]+ .*\(committed by rendezvous round [0-9]+, requeue 0\)$" "$out/m.ls" || true)
+((listed >= 2 && recorded == listed)) || fail "M: $recorded of $listed file steps name the round that committed them: $(cat "$out/m.ls")"
+"$tool" ls "$out/a" | grep -q "committed by" && fail "A (no agent) has a commit record"
 rc=0
 "$tool" diff "$out/a" "$out/m" >"$out/diff.log" 2>&1 || rc=$?
 ((rc == 0)) || fail "diff A M exited $rc: $(cat "$out/diff.log")"

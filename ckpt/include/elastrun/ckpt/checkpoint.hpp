@@ -217,6 +217,17 @@ std::optional<RestoreResult> restore_latest(const std::filesystem::path& root, s
 // each rank): apply_retention never removes such a step. Remove the step by hand once inspected.
 inline constexpr const char* kRejectedMarker = "rejected-by-restore.json";
 
+// The file in which a step committed under an elastrun agent records the round that committed
+// it (JSON {"fence_token": "<requeues>.<generation>"}, the token of the fenced commit,
+// docs/rendezvous.md): which history a step belongs to, readable after the job. Written into the
+// staged step after the fence said yes and before the rename, so every committed step under an
+// agent has one; steps committed without an agent (mpirun, srun --torch-env) have none.
+inline constexpr const char* kCommitRecord = "committed-by.json";
+
+// The fence token recorded in `step_dir` (kCommitRecord), or "" when it has none or it cannot be
+// read.
+std::string commit_token(const std::filesystem::path& step_dir);
+
 // Rank-0 housekeeping (save_checkpoint calls it after committing `committed`): sets steps
 // numbered above `committed` aside as abandoned-step-<n>-<gen> (a restart from an older step
 // abandoned them; restore would otherwise prefer them) and removes older steps beyond the
