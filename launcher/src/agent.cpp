@@ -15,6 +15,8 @@
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
+#include "collective_env.hpp"
+#include "elastrun/rdzv/net.hpp"
 #include "job_outcome.hpp"
 #include "restart_policy.hpp"
 #include "worker_env.hpp"
@@ -90,6 +92,21 @@ int Agent::run() {
       spdlog::info("--numa-binding={}: local ranks spread over {} NUMA nodes, each worker on its node's CPUs{}",
                    o_.numa_binding, numa_nodes_.size(),
                    o_.numa_binding == "node" ? "" : " (no accelerator topology here: bound as 'node')");
+  }
+  {
+    // the address peers reach this node at: the one the stores listen on, else the node's own
+    const auto address =
+        plan_.bind_address != "0.0.0.0" ? std::optional(plan_.bind_address) : rdzv::ipv4_address(plan_.me.address);
+    cpus_ = cpu_count();
+    if (o_.nproc_per_node > 1 && !std::getenv("OMP_NUM_THREADS"))
+      spdlog::info("workers' OMP_NUM_THREADS: {} ({} CPU(s) here for {} workers; set it to choose)",
+                   omp_threads_per_worker(cpus_, o_.nproc_per_node), cpus_, o_.nproc_per_node);
+    const auto nic = choose_socket_interface(address.value_or(""), network_interfaces());
+    socket_ifname_ = nic.ifname;
+    if (nic.warning)
+      spdlog::warn("{}", nic.note);
+    else if (!nic.note.empty())
+      spdlog::info("{}", nic.note);
   }
   signals_.set_rendezvous_requeuer([this](int sig) {
     request_requeue(sig == SIGTERM ? FailureClass::Preempt : FailureClass::TimeLimit, {}, sig);
@@ -220,7 +237,9 @@ Transition Agent::start_workers() {
       .numa_nodes = numa_nodes_,
       .timer_file = file_timer_ ? file_timer_->path().string() : std::string(),
       .node_socket = runtime_.endpoint_address(),
-      .memory_budget = runtime_.memory() ? std::optional(runtime_.memory()->budget()) : std::nullopt};
+      .memory_budget = runtime_.memory() ? std::optional(runtime_.memory()->budget()) : std::nullopt,
+      .socket_ifname = socket_ifname_,
+      .cpus = cpus_};
   attempt_dir_ = attempt_dir;
   killed_by_us_.clear();
   auto specs = worker_specs(attempt, inherited_environment(environ));

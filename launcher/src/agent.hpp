@@ -178,6 +178,8 @@ class Agent {
   std::vector<std::string> command_argv_;
   std::size_t command_argv_program_end_ = 1;  // index after the program (python -u [-m] SCRIPT)
   std::vector<std::vector<int>> numa_nodes_;  // --numa-binding: read once at start
+  std::string socket_ifname_;                 // the workers' NCCL/GLOO_SOCKET_IFNAME: chosen once at start
+  int cpus_ = 0;                              // this agent's CPUs (its affinity mask), read once at start
   std::optional<TempDir> tmp_;
   std::filesystem::path attempt_base_;
   std::string job_dir_;            // the job directory in use ("" if none: job_dir.hpp)

@@ -36,13 +36,6 @@ Millis seconds_option(const std::string& flag, const std::string& text) {
   return Millis(static_cast<long long>(std::llround(seconds * 1000.0)));
 }
 
-int cpu_count() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return 1;
-}
-
 int gpu_count() {
   int n = 0;
   std::error_code ec;
@@ -185,6 +178,13 @@ void parse_rdzv_conf(const std::string& text, AgentOptions& o) {
 }
 
 }  // namespace
+
+int cpu_count() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return 1;
+}
 
 std::string_view to_string(FailureClass c) {
   switch (c) {

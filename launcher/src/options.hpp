@@ -129,6 +129,9 @@ ParseOutcome parse_agent_options(int argc, char** argv, const std::map<std::stri
 std::array<std::int64_t, kFailureClasses> parse_requeue_budget(const std::string& text,
                                                                std::array<std::int64_t, kFailureClasses> defaults);
 
+// The CPUs this process may run on (its affinity mask: what Slurm bound the task to), at least 1.
+int cpu_count();
+
 // "3", "0:1,1:2" -> StreamSpec; throws UsageError naming `flag`.
 StreamSpec parse_stream_spec(const std::string& flag, const std::string& text);
 

@@ -1,5 +1,7 @@
 #include "worker_env.hpp"
 
+#include "collective_env.hpp"
+
 #include <algorithm>
 #include <csignal>
 #include <fstream>
@@ -92,6 +94,8 @@ std::vector<std::string> inherited_environment(char** entries) {
   return kept;
 }
 
+int omp_threads_per_worker(int cpus, int nproc) { return nproc < 1 || cpus < 1 ? 1 : std::max(1, cpus / nproc); }
+
 std::vector<std::string> worker_variables(const AttemptContext& a, int local, const std::string& error_file,
                                           const std::vector<std::string>& inherited) {
   const auto& o = a.options;
@@ -155,7 +159,8 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   if (a.memory_budget && !a.node_socket.empty()) set(env_name::kMemoryCheckpoints, std::to_string(*a.memory_budget));
   const bool omp_set = std::any_of(inherited.begin(), inherited.end(),
                                    [](const std::string& kv) { return kv.starts_with("OMP_NUM_THREADS="); });
-  if (!omp_set && o.nproc_per_node > 1) set("OMP_NUM_THREADS", 1);
+  if (!omp_set && o.nproc_per_node > 1) set("OMP_NUM_THREADS", omp_threads_per_worker(a.cpus, o.nproc_per_node));
+  for (const auto& [key, value] : collective_defaults(a.socket_ifname, inherited)) set(key, value);
   return env;
 }
 

@@ -40,6 +40,8 @@ struct AttemptContext {
   std::string timer_file;                           // TORCHELASTIC_TIMER_FILE: the agent's FileTimer FIFO ("" = none)
   std::string node_socket = {};                     // ELASTRUN_NODE_SOCKET: the node endpoint's address ("" = none)
   std::optional<std::uint64_t> memory_budget = {};  // ELASTRUN_MEMORY_CHECKPOINTS (none = the tier is off)
+  std::string socket_ifname = {};                   // NCCL/GLOO_SOCKET_IFNAME (choose_socket_interface; "" = none)
+  int cpus = 0;                                     // the agent's CPUs (cpu_count), shared by its workers; 0: unknown
 };
 
 // --hang-timeout: the files of local rank `local` in an attempt directory, and the signal on
@@ -60,8 +62,13 @@ std::vector<int> numa_cpus_for(int local_rank, int nproc, const std::vector<std:
 // The CPUs of each NUMA node under root (/sys/devices/system/node): node0/cpulist, node1/...
 std::vector<std::vector<int>> read_numa_nodes(const std::filesystem::path& root = "/sys/devices/system/node");
 
-// The worker's variables (without the inherited ones); OMP_NUM_THREADS=1 with several local
-// workers unless `inherited` sets it.
+// The worker's variables (without the inherited ones); with several local workers
+// OMP_NUM_THREADS = the agent's CPUs / workers (at least 1), and the collective libraries'
+// defaults (collective_env.hpp), each unless `inherited` sets it.
+// OMP_NUM_THREADS for each of `nproc` workers sharing `cpus` CPUs (0: unknown): torchrun's 1
+// unless the CPUs are known, then an equal share, at least 1.
+int omp_threads_per_worker(int cpus, int nproc);
+
 std::vector<std::string> worker_variables(const AttemptContext& attempt, int local_rank, const std::string& error_file,
                                           const std::vector<std::string>& inherited);
 

@@ -2,7 +2,8 @@
 # torchrun drop-in, side by side (#16): launch lines from PyTorch's docs and tests run under
 # torchrun 1.13 (Debian python3-torch: `python3 -m torch.distributed.run`, which needs
 # `--redirects 9:0 --tee 9:0` to start here) and under elastrun with the same arguments; the
-# workers' ranks and sizes (torchrun_lines_worker.py) and the exit codes must be the same.
+# workers' ranks and sizes and NCCL_ASYNC_ERROR_HANDLING (torchrun_lines_worker.py) and the exit
+# codes must be the same.
 #   standalone        --standalone --nproc_per_node=2
 #   localhost         --nnodes=1 --nproc_per_node=2 --rdzv_backend=c10d --rdzv_endpoint=localhost:P
 #   loopback          the same with 127.0.0.1:P
@@ -22,7 +23,7 @@ elastrun=$1
 here=$(cd "$(dirname "$0")" && pwd)
 py=${ELASTRUN_TEST_PYTHON:-/usr/bin/python3}
 "$py" -c 'import torch.distributed.run' 2>/dev/null || skip "$py has no torch.distributed.run"
-unset_env '^(SLURM_|PET_|RANK$|WORLD_SIZE$|MASTER_|TORCHELASTIC_)'
+unset_env '^(SLURM_|PET_|RANK$|WORLD_SIZE$|MASTER_|TORCHELASTIC_|NCCL_|TORCH_NCCL_)'
 sandbox --tmpdir
 work=$SANDBOX
 script=$here/torchrun_lines_worker.py

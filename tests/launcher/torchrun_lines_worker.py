@@ -8,7 +8,8 @@ import sys
 import time
 
 KEYS = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-        "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"]
+        "ROLE_WORLD_SIZE", "ROLE_NAME", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+        "NCCL_ASYNC_ERROR_HANDLING"]
 print("TRLINE " + json.dumps({k: os.environ.get(k) for k in KEYS}, sort_keys=True), flush=True)
 sync_dir = os.environ.get("TR_SYNC_DIR")
 if sync_dir:

@@ -212,6 +212,36 @@ TEST(WorkerEnv, UserThreadsAndSingleWorker) {
   EXPECT_FALSE(as_map(worker_variables(a, 0, "e", {})).contains("OMP_NUM_THREADS"));
 }
 
+TEST(WorkerEnv, ThreadsAreTheAgentsCpusSharedAmongItsWorkers) {
+  EXPECT_EQ(omp_threads_per_worker(16, 4), 4);
+  EXPECT_EQ(omp_threads_per_worker(18, 4), 4) << "an equal share, rounded down";
+  EXPECT_EQ(omp_threads_per_worker(2, 3), 1) << "at least one";
+  EXPECT_EQ(omp_threads_per_worker(0, 4), 1) << "unknown: torchrun's 1";
+  TempDir dir;
+  AgentOptions o;
+  o.nproc_per_node = 4;
+  const auto round = second_node_of_three();
+  auto a = attempt_in(o, round, dir.path());
+  a.cpus = 32;  // e.g. srun --cpus-per-task=32: the agent's affinity mask
+  EXPECT_EQ(as_map(worker_variables(a, 3, "e", {}))["OMP_NUM_THREADS"], "8");
+}
+
+TEST(WorkerEnv, CollectiveLibraryDefaultsAndTheUsersValuesWin) {
+  TempDir dir;
+  AgentOptions o;
+  o.nproc_per_node = 2;
+  const auto round = second_node_of_three();
+  auto a = attempt_in(o, round, dir.path());
+  a.socket_ifname = "ib0";
+  auto env = as_map(worker_variables(a, 1, "e", {"TORCH_NCCL_ASYNC_ERROR_HANDLING=0"}));
+  EXPECT_EQ(env["NCCL_ASYNC_ERROR_HANDLING"], "1");
+  EXPECT_FALSE(env.contains("TORCH_NCCL_ASYNC_ERROR_HANDLING")) << "the user's 0 is inherited, not overridden";
+  EXPECT_EQ(env["NCCL_SOCKET_IFNAME"], "ib0");
+  EXPECT_EQ(env["GLOO_SOCKET_IFNAME"], "ib0");
+  a.socket_ifname = "";
+  EXPECT_FALSE(as_map(worker_variables(a, 1, "e", {})).contains("NCCL_SOCKET_IFNAME"));
+}
+
 TEST(WorkerEnv, EventsFileOursReplacesTheUsers) {
   TempDir dir;
   AgentOptions o;
