@@ -618,6 +618,22 @@ bool Rendezvous::quorum_for(std::uint64_t gen, const std::vector<KeyValue>& join
     }
     return true;
   }
+  if (!no_quorum_since_) {
+    // Absent members still alive on this store (their leases live) are on their way -- still
+    // stopping their workers after the re-form was called -- not cut off: wait for them without a
+    // word and without the partition timer. One cut off from this store loses its lease within a
+    // heartbeat timeout and then counts as unreachable.
+    const auto alive_prefix = prefix_ + "alive/";
+    std::vector<std::string> alive;
+    for (const auto& kv : kv_->get_prefix(alive_prefix)) alive.push_back(kv.key.substr(alive_prefix.size()));
+    std::sort(alive.begin(), alive.end());
+    const bool all_coming = std::all_of(members.begin(), members.end(), [&](const MemberInfo& m) {
+      const auto key = m.sort_key();
+      return std::binary_search(joined.begin(), joined.end(), key) || gone(m) ||
+             std::binary_search(alive.begin(), alive.end(), key);
+    });
+    if (all_coming) return false;
+  }
   const auto now = Clock::now();
   if (!no_quorum_since_) {
     no_quorum_since_ = now;
