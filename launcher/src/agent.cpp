@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "collective_env.hpp"
+#include "gpu_binding.hpp"
 #include "elastrun/rdzv/net.hpp"
 #include "job_outcome.hpp"
 #include "restart_policy.hpp"
@@ -97,6 +98,16 @@ int Agent::run() {
     // the address peers reach this node at: the one the stores listen on, else the node's own
     const auto address =
         plan_.bind_address != "0.0.0.0" ? std::optional(plan_.bind_address) : rdzv::ipv4_address(plan_.me.address);
+    gpus_ = detect_gpus();
+    if (gpus_.size() > 0) {
+      const bool own = o_.gpus_per_worker >= 1 || o_.virtual_local_rank;
+      spdlog::info("GPUs for the workers: {} (from {}); {}", fmt::join(gpus_.visible, ","), gpus_.source,
+                   own ? "each worker sees only its own (ELASTRUN_DEVICE=0)"
+                       : "worker i uses the i-th (LOCAL_RANK = ELASTRUN_DEVICE)");
+      if (!own && static_cast<std::size_t>(o_.nproc_per_node) > gpus_.size())
+        spdlog::warn("warning: {} workers on {} GPU(s): workers {}.. share GPUs (NCCL refuses two ranks on one GPU)",
+                     o_.nproc_per_node, gpus_.size(), gpus_.size());
+    }
     cpus_ = cpu_count();
     if (o_.nproc_per_node > 1 && !std::getenv("OMP_NUM_THREADS"))
       spdlog::info("workers' OMP_NUM_THREADS: {} ({} CPU(s) here for {} workers; set it to choose)",
@@ -239,7 +250,8 @@ Transition Agent::start_workers() {
       .node_socket = runtime_.endpoint_address(),
       .memory_budget = runtime_.memory() ? std::optional(runtime_.memory()->budget()) : std::nullopt,
       .socket_ifname = socket_ifname_,
-      .cpus = cpus_};
+      .cpus = cpus_,
+      .gpus = gpus_};
   attempt_dir_ = attempt_dir;
   killed_by_us_.clear();
   auto specs = worker_specs(attempt, inherited_environment(environ));

@@ -42,6 +42,7 @@
 #include "elastrun/rdzv/rendezvous.hpp"
 #include "events.hpp"
 #include "failure_report.hpp"
+#include "gpu_binding.hpp"
 #include "hang_watch.hpp"
 #include "job_outcome.hpp"
 #include "node_runtime.hpp"
@@ -180,6 +181,7 @@ class Agent {
   std::vector<std::vector<int>> numa_nodes_;  // --numa-binding: read once at start
   std::string socket_ifname_;                 // the workers' NCCL/GLOO_SOCKET_IFNAME: chosen once at start
   int cpus_ = 0;                              // this agent's CPUs (its affinity mask), read once at start
+  GpuSet gpus_;                               // the step's GPUs on this node, read once at start
   std::optional<TempDir> tmp_;
   std::filesystem::path attempt_base_;
   std::string job_dir_;            // the job directory in use ("" if none: job_dir.hpp)

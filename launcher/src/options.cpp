@@ -4,6 +4,7 @@
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <iostream>
 
 #include "elastrun/util/parse.hpp"
+#include "gpu_binding.hpp"
 
 namespace elastrun::launcher {
 namespace {
@@ -36,29 +38,21 @@ Millis seconds_option(const std::string& flag, const std::string& text) {
   return Millis(static_cast<long long>(std::llround(seconds * 1000.0)));
 }
 
-int gpu_count() {
-  int n = 0;
-  std::error_code ec;
-  for (const auto& entry : std::filesystem::directory_iterator("/dev", ec)) {
-    auto name = entry.path().filename().string();
-    if (name.size() > 6 && name.starts_with("nvidia") &&
-        std::all_of(name.begin() + 6, name.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      ++n;
-  }
-  return n;
-}
-
-int parse_nproc(const std::string& text) {
+// gpu and auto count the step's GPUs on this node (gpu_binding.hpp: Slurm's allocation first),
+// one worker per GPU or per --gpus-per-worker GPUs.
+int parse_nproc(const std::string& text, int gpus_per_worker) {
   if (text == "cpu") return cpu_count();
-  if (text == "gpu") {
-    int n = gpu_count();
-    if (n == 0)
-      throw UsageError("--nproc-per-node=gpu: no GPU found on this node (/dev/nvidia*); give a number or 'cpu'");
-    return n;
-  }
-  if (text == "auto") {
-    int n = gpu_count();
-    return n > 0 ? n : cpu_count();
+  if (text == "gpu" || text == "auto") {
+    const auto gpus = detect_gpus();
+    const int n = static_cast<int>(gpus.size()) / std::max(1, gpus_per_worker);
+    if (n > 0 || text == "auto") return n > 0 ? n : cpu_count();
+    throw UsageError(
+        gpus.size() == 0
+            ? fmt::format("--nproc-per-node=gpu: no GPU for this step on this node ({} names none); give a number "
+                          "or 'cpu'",
+                          gpus.source)
+            : fmt::format("--nproc-per-node=gpu: {} GPU(s) on this node ({}) are too few for --gpus-per-worker {}",
+                          gpus.size(), gpus.source, gpus_per_worker));
   }
   auto n = to_long(text);
   if (!n || *n < 1 || *n > 4096)
@@ -461,6 +455,9 @@ void declare_flags(CLI::App& app, RawFlags& raw, AgentOptions& o) {
                  "node|socket|exclusive|core-complex: bind each worker to one NUMA node's CPUs (no-op with one node)");
   app.add_flag("--virtual-local-rank,--virtual_local_rank", o.virtual_local_rank,
                "LOCAL_RANK=0 in every worker, CUDA_VISIBLE_DEVICES narrowed to the worker's own device");
+  app.add_option("--gpus-per-worker", o.gpus_per_worker,
+                 "N: each worker sees only its own N GPUs of the step's (CUDA_VISIBLE_DEVICES narrowed; "
+                 "ELASTRUN_DEVICE=0); with --nproc-per-node=gpu, one worker per N GPUs");
   app.add_option("--duplicate-stdout-filters,--duplicate_stdout_filters", raw.dup_stdout,
                  "comma list (',,' is a comma): tee'd stdout lines containing one also go to "
                  "ATTEMPT_DIR/filtered_stdout.log");
@@ -517,7 +514,17 @@ void convert_values(const CLI::App& app, const RawFlags& raw, AgentOptions& o) {
           "--nnodes and --het-nnodes contradict each other (with --het-nnodes the job's bounds are the sums)");
     o.het_nnodes = parse_het_nnodes(raw.het_nnodes);
   }
-  o.nproc_per_node = parse_nproc(raw.nproc);
+  if (o.gpus_per_worker < 0) throw UsageError(fmt::format("--gpus-per-worker={} must be 1 or more", o.gpus_per_worker));
+  o.nproc_per_node = parse_nproc(raw.nproc, o.gpus_per_worker);
+  if (o.gpus_per_worker >= 1) {
+    const auto gpus = detect_gpus();
+    if (static_cast<std::size_t>(o.nproc_per_node) * static_cast<std::size_t>(o.gpus_per_worker) > gpus.size())
+      throw UsageError(
+          fmt::format("--gpus-per-worker {} for {} worker(s) needs {} GPUs; this node has {} for the step "
+                      "({}{}); give fewer workers or GPUs per worker",
+                      o.gpus_per_worker, o.nproc_per_node, o.nproc_per_node * o.gpus_per_worker, gpus.size(),
+                      gpus.source, gpus.size() ? "=" + fmt::format("{}", fmt::join(gpus.visible, ",")) : ""));
+  }
   if (!raw.rdzv_conf.empty()) parse_rdzv_conf(raw.rdzv_conf, o);
   o.monitor_interval = std::max(Millis(10), seconds_option("--monitor-interval", raw.monitor));
   o.stop_grace = seconds_option("--stop-grace", raw.grace);

@@ -85,6 +85,7 @@ struct AgentOptions {
   std::string log_line_prefix_template;  // console prefix: ${rank} ${local_rank} ${role_name} ${hostname}
   std::vector<std::string> duplicate_stdout_filters, duplicate_stderr_filters;  // tee'd lines -> filtered_*.log
   bool virtual_local_rank = false;  // LOCAL_RANK=0, CUDA_VISIBLE_DEVICES narrowed to the worker's device
+  int gpus_per_worker = 0;          // N >= 1: CUDA_VISIBLE_DEVICES narrowed to the worker's N GPUs (0: not narrowed)
   std::string numa_binding;         // node|socket|exclusive|core-complex ("" = none)
   // torch.distributed.launch: also pass the local rank as an argument ("--local-rank" or
   // "--local_rank"; "" = no, as torchrun)

@@ -1,6 +1,7 @@
 #include "worker_env.hpp"
 
 #include "collective_env.hpp"
+#include "gpu_binding.hpp"
 
 #include <algorithm>
 #include <csignal>
@@ -105,24 +106,10 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
   set(env_name::kNodeRank, r.group_rank);  // torch.distributed.launch's name for GROUP_RANK
   set(env_name::kRank, r.rank_offset + local);
   set(env_name::kLocalRank, o.virtual_local_rank ? 0 : local);
-  if (o.virtual_local_rank) {
-    // torchrun's --virtual-local-rank: each worker sees only its own device, as device 0
-    std::string visible;
-    for (const auto& kv : inherited)
-      if (kv.starts_with("CUDA_VISIBLE_DEVICES=")) visible = kv.substr(21);
-    if (visible.empty()) {
-      set("CUDA_VISIBLE_DEVICES", local);
-    } else {
-      std::vector<std::string> devices;
-      for (auto d : util::split_list(visible)) devices.emplace_back(d);
-      if (local >= static_cast<int>(devices.size()))
-        throw std::runtime_error(
-            fmt::format("--virtual-local-rank: local rank {} has no device in "
-                        "CUDA_VISIBLE_DEVICES={}",
-                        local, visible));
-      set("CUDA_VISIBLE_DEVICES", devices[static_cast<std::size_t>(local)]);
-    }
-  }
+  // its GPU(s): LOCAL_RANK indexes the step's list, or it sees only its own (gpu_binding.hpp)
+  const auto device = device_for_worker(a.gpus, local, o.gpus_per_worker, o.virtual_local_rank);
+  if (device.cuda_visible_devices) set("CUDA_VISIBLE_DEVICES", *device.cuda_visible_devices);
+  if (a.gpus.size() > 0) set(env_name::kDevice, device.device);
   set(env_name::kGroupRank, r.group_rank);
   set(env_name::kRoleRank, r.role_rank_offset + local);
   set(env_name::kRoleName, o.role);
@@ -192,9 +179,10 @@ std::vector<WorkerSpec> worker_specs(const AttemptContext& a, const std::vector<
     if (!a.events_file.empty())  // ours replaces one the user exported; without ours, the user's stays
       std::erase_if(s.env,
                     [](const std::string& kv) { return kv.starts_with(fmt::format("{}=", env_name::kEventsFile)); });
-    if (o.virtual_local_rank)  // ours narrows it to this worker's device
-      std::erase_if(s.env, [](const std::string& kv) { return kv.starts_with("CUDA_VISIBLE_DEVICES="); });
     auto ours = worker_variables(a, local, s.error_file, inherited);
+    const auto is_visible_devices = [](const std::string& kv) { return kv.starts_with("CUDA_VISIBLE_DEVICES="); };
+    if (std::any_of(ours.begin(), ours.end(), is_visible_devices))  // ours narrows it to this worker's GPUs
+      std::erase_if(s.env, is_visible_devices);
     s.env.insert(s.env.end(), std::make_move_iterator(ours.begin()), std::make_move_iterator(ours.end()));
 
     const bool shown = !o.local_ranks_filter || o.local_ranks_filter->contains(local);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "elastrun/rdzv/rendezvous.hpp"
+#include "gpu_binding.hpp"
 #include "options.hpp"
 #include "workers.hpp"
 
@@ -42,6 +43,7 @@ struct AttemptContext {
   std::optional<std::uint64_t> memory_budget = {};  // ELASTRUN_MEMORY_CHECKPOINTS (none = the tier is off)
   std::string socket_ifname = {};                   // NCCL/GLOO_SOCKET_IFNAME (choose_socket_interface; "" = none)
   int cpus = 0;                                     // the agent's CPUs (cpu_count), shared by its workers; 0: unknown
+  GpuSet gpus = {};                                 // the step's GPUs on this node (detect_gpus; empty: none)
 };
 
 // --hang-timeout: the files of local rank `local` in an attempt directory, and the signal on

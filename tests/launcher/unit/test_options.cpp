@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -214,6 +215,25 @@ TEST(Options, CheckpointAndRequeueFlags) {
 }
 
 TEST(Options, NprocNames) {
+  {
+    // gpu counts the step's GPUs (Slurm's CUDA_VISIBLE_DEVICES here), per --gpus-per-worker
+    const char* saved = std::getenv("CUDA_VISIBLE_DEVICES");
+    const std::string was = saved ? saved : "";
+    setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7", 1);
+    EXPECT_EQ(parse({"--nproc-per-node=gpu", "p"}).nproc_per_node, 4);
+    EXPECT_EQ(parse({"--nproc-per-node=gpu", "--gpus-per-worker=2", "p"}).nproc_per_node, 2);
+    EXPECT_NE(refusal({"--nproc-per-node=3", "--gpus-per-worker=2", "p"})
+                  .find("--gpus-per-worker 2 for 3 worker(s) needs 6 GPUs; this node has 4 for the step "
+                        "(CUDA_VISIBLE_DEVICES=4,5,6,7)"),
+              std::string::npos);
+    setenv("CUDA_VISIBLE_DEVICES", "", 1);
+    EXPECT_NE(refusal({"--nproc-per-node=gpu", "p"}).find("no GPU for this step on this node (CUDA_VISIBLE_DEVICES"),
+              std::string::npos);
+    if (saved)
+      setenv("CUDA_VISIBLE_DEVICES", was.c_str(), 1);
+    else
+      unsetenv("CUDA_VISIBLE_DEVICES");
+  }
   EXPECT_GE(parse({"--nproc-per-node=cpu", "p"}).nproc_per_node, 1);
   EXPECT_GE(parse({"--nproc-per-node=auto", "p"}).nproc_per_node, 1);
 }

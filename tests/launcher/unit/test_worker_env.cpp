@@ -104,12 +104,14 @@ TEST(WorkerEnv, Torchrun2LocalRankArgumentVirtualLocalRankAndPrefix) {
   a.node_name = "n2";
   a.argv = {"python3", "-u", "train.py", "--out=r${local_rank}.txt"};
   a.argv_program_end = 3;
+  a.gpus = {{"4", "6"}, "CUDA_VISIBLE_DEVICES", false};  // the agent's, detect_gpus
   const auto specs = worker_specs(a, {"CUDA_VISIBLE_DEVICES=4,6"});
   ASSERT_EQ(specs.size(), 2u);
   EXPECT_EQ(specs[1].argv, (std::vector<std::string>{"python3", "-u", "train.py", "--local_rank=1", "--out=r1.txt"}));
   auto env = as_map(specs[1].env);
   EXPECT_EQ(env["LOCAL_RANK"], "0");
   EXPECT_EQ(env["CUDA_VISIBLE_DEVICES"], "6");
+  EXPECT_EQ(env["ELASTRUN_DEVICE"], "0");
   EXPECT_EQ(env["RANK"], "3");
   EXPECT_EQ(specs[1].console_prefix, "[trainer1|3@n2]:");
   EXPECT_EQ(console_prefix("", 5, 1, "default", "n"), "[rank 5] ");
@@ -240,6 +242,29 @@ TEST(WorkerEnv, CollectiveLibraryDefaultsAndTheUsersValuesWin) {
   EXPECT_EQ(env["GLOO_SOCKET_IFNAME"], "ib0");
   a.socket_ifname = "";
   EXPECT_FALSE(as_map(worker_variables(a, 1, "e", {})).contains("NCCL_SOCKET_IFNAME"));
+}
+
+TEST(WorkerEnv, EachWorkerFindsItsGpuAndACpuNodeGetsNoDevice) {
+  TempDir dir;
+  AgentOptions o;
+  o.nproc_per_node = 2;
+  const auto round = second_node_of_three();
+  auto a = attempt_in(o, round, dir.path());
+  EXPECT_FALSE(as_map(worker_variables(a, 1, "e", {})).contains("ELASTRUN_DEVICE")) << "no GPU: nothing to say";
+  a.gpus = {{"2", "3"}, "CUDA_VISIBLE_DEVICES", false};  // Slurm's, inherited by the workers
+  auto env = as_map(worker_variables(a, 1, "e", {"CUDA_VISIBLE_DEVICES=2,3"}));
+  EXPECT_EQ(env["ELASTRUN_DEVICE"], "1");
+  EXPECT_EQ(env["LOCAL_RANK"], "1");
+  EXPECT_FALSE(env.contains("CUDA_VISIBLE_DEVICES")) << "inherited as Slurm set it";
+  a.gpus = {{"1", "3"}, "SLURM_JOB_GPUS", true};  // no CUDA_VISIBLE_DEVICES in the environment
+  EXPECT_EQ(as_map(worker_variables(a, 0, "e", {}))["CUDA_VISIBLE_DEVICES"], "1,3");
+  o.gpus_per_worker = 1;
+  a.gpus = {{"2", "3"}, "CUDA_VISIBLE_DEVICES", false};
+  const auto specs = worker_specs(a, {"CUDA_VISIBLE_DEVICES=2,3"});
+  env = as_map(specs.at(1).env);  // one CUDA_VISIBLE_DEVICES: ours replaced the inherited one
+  EXPECT_EQ(env["CUDA_VISIBLE_DEVICES"], "3");
+  EXPECT_EQ(env["ELASTRUN_DEVICE"], "0");
+  EXPECT_EQ(env["LOCAL_RANK"], "1") << "still the node-local index";
 }
 
 TEST(WorkerEnv, EventsFileOursReplacesTheUsers) {

@@ -69,9 +69,13 @@ inline constexpr std::string_view kNodeSocket =
 inline constexpr std::string_view kMemoryCheckpoints =
     "ELASTRUN_MEMORY_CHECKPOINTS";  // the node's memory checkpoint budget in bytes, set when the agent runs with
                                     // --memory-checkpoints (segments: the node endpoint's mem_* requests)
+inline constexpr std::string_view kDevice =
+    "ELASTRUN_DEVICE";  // on a node with GPUs: the index of this worker's (first) GPU among those it sees, for
+                        // torch.cuda.set_device -- LOCAL_RANK (torchrun's convention), or 0 when CUDA_VISIBLE_DEVICES
+                        // is narrowed to the worker's own GPUs (--gpus-per-worker, --virtual-local-rank)
 // The variables the agent owns: an inherited one of these names is never passed on (the
 // others, e.g. TORCHELASTIC_TIMER_FILE, stay when the agent does not set its own).
-inline constexpr std::array<std::string_view, 28> kReplaced = {kRank,
+inline constexpr std::array<std::string_view, 29> kReplaced = {kRank,
                                                                kLocalRank,
                                                                kGroupRank,
                                                                kNodeRank,
@@ -98,7 +102,8 @@ inline constexpr std::array<std::string_view, 28> kReplaced = {kRank,
                                                                kStacksFile,
                                                                kStacksSignal,
                                                                kNodeSocket,
-                                                               kMemoryCheckpoints};
+                                                               kMemoryCheckpoints,
+                                                               kDevice};
 // The torch variables srun --torch-env sets for every task (the agent sets them too).
 inline constexpr std::array<std::string_view, 15> kTorch = {
     kRank,           kLocalRank,     kGroupRank,  kNodeRank,   kRoleRank,     kRoleName,    kLocalWorldSize, kWorldSize,

@@ -1,0 +1,44 @@
+// Which GPUs this agent's workers use and how each worker finds its own. The set is the one Slurm
+// allocated to the step on this node -- CUDA_VISIBLE_DEVICES as Slurm set it (global indices, or
+// 0-based where the site constrains devices), else SLURM_STEP_GPUS, SLURM_JOB_GPUS or
+// GPU_DEVICE_ORDINAL -- and only without any of these the /dev/nvidia<N> files. Worker i uses
+// the i-th visible GPU (torchrun's convention: LOCAL_RANK indexes the visible list), or with
+// --gpus-per-worker / --virtual-local-rank sees only its own. docs/launcher.md, "GPUs".
+#pragma once
+
+#include <filesystem>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace elastrun::launcher {
+
+struct GpuSet {
+  std::vector<std::string> visible;  // what a worker's CUDA enumerates, in order (indices, UUIDs, MIG ids)
+  std::string source;                // where the set came from, for messages ("CUDA_VISIBLE_DEVICES", ...)
+  bool export_visible = false;       // the workers need CUDA_VISIBLE_DEVICES set: the environment has none
+  std::size_t size() const { return visible.size(); }
+};
+
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+// The GPU set from an environment (`env`) and the number of /dev/nvidia<N> files.
+GpuSet detect_gpus(const EnvLookup& env, int nvidia_device_files);
+// The same from this process's environment and /dev.
+GpuSet detect_gpus();
+int count_nvidia_device_files(const std::filesystem::path& dev = "/dev");
+
+struct WorkerDevice {
+  std::optional<std::string> cuda_visible_devices;  // set for this worker; nullopt: it inherits the agent's
+  int device = 0;                                   // ELASTRUN_DEVICE: the index to pass to set_device
+};
+
+// Worker `local_rank`'s view of `gpus`. Plain: the whole set, device = local rank (the set is
+// exported when the environment had none from Slurm's variables). With gpus_per_worker = N >= 1:
+// CUDA_VISIBLE_DEVICES = its N GPUs (local*N .. local*N+N-1), device 0; --virtual-local-rank
+// alone is N = 1 (with no GPU at all, CUDA_VISIBLE_DEVICES = the local rank, as torchrun). Throws
+// std::runtime_error naming the set when it has too few GPUs.
+WorkerDevice device_for_worker(const GpuSet& gpus, int local_rank, int gpus_per_worker, bool virtual_local_rank);
+
+}  // namespace elastrun::launcher
