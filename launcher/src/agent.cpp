@@ -17,6 +17,7 @@
 
 #include "collective_env.hpp"
 #include "gpu_binding.hpp"
+#include "health_check.hpp"
 #include "elastrun/rdzv/net.hpp"
 #include "job_outcome.hpp"
 #include "restart_policy.hpp"
@@ -141,6 +142,8 @@ int Agent::run() {
   events().emit(contract::event::kExit, {{"code", rc_}});
   const auto& last = rdzv_->current();
   const bool led_last_round = last.group_world_size > 0 && last.group_rank == 0;
+  if (led_last_round) report_unhealthy_nodes();
+  remove_checkpoint_dir_marker(health_marker_, rdzv_.get(), plan_.me.node_name);
   std::vector<std::string> last_members;
   if (led_last_round)
     for (const auto& m : last.members()) last_members.push_back(m.node_name);
@@ -157,6 +160,7 @@ Transition Agent::rendezvous() {
     spdlog::info("stopped by {}; exiting {}", signal_name(sig), 128 + sig);
     return exit_with(128 + sig);
   }
+  if (auto unhealthy = check_node_health()) return exit_with(*unhealthy);
   log_state("RENDEZVOUS", fmt::format("run '{}' nodes {}:{}", plan_.run_id, min_nodes_, max_nodes_));
   set_fence(std::nullopt);  // between rounds nothing commits
   const auto t0 = Clock::now();
@@ -175,6 +179,7 @@ Transition Agent::rendezvous() {
     restart_count_ = rdzv_->add_to_counter("restarts", 0);
     set_fence(rdzv_->commit_fence(env_.slurm ? static_cast<std::uint64_t>(env_.slurm->restart_count) : 0));
     for (const auto& m : r.members()) ever_members_.insert(m.node_name);
+    refresh_unhealthy_nodes();
     if (r.group_rank == 0)  // a lost member's metrics file: its agent cannot remove it
       for (const auto& node : last_members)
         if (std::none_of(r.members().begin(), r.members().end(), [&](const auto& m) { return m.node_name == node; }))
@@ -323,6 +328,7 @@ Transition Agent::monitor() {
 // keep running until then.
 Transition Agent::failed(states::Failed entered) {
   for (const auto& e : entered.failures) record(e);
+  health_due_ = true;  // before this node joins again
   log_state("FAILED", failures_.last().one_line());
   FailedObservation seen;
   seen.max_restarts = o_.max_restarts;

@@ -152,6 +152,15 @@ class Agent {
   void record_losses(const FailedObservation& seen, const std::vector<WorkerExit>& failures);
   void write_outcome(JobOutcome outcome, int exit_code);  // --outcome-file, group rank 0
 
+  // ---- the node's health checks (agent_health.cpp) ----
+  // Runs --health-check when due (first join, after a failure of this node's workers); the exit
+  // code when the node failed one and leaves the job, nullopt when it may join.
+  std::optional<int> check_node_health();
+  void leave_unhealthy(const std::string& reason);  // a failed check: recorded, published, store kept
+  void refresh_unhealthy_nodes();                   // each round: the nodes marked by their own checks
+  std::vector<std::string> unhealthy_nodes();       // ... as last read (any thread: excluded on requeue)
+  void report_unhealthy_nodes();                    // group rank 0 at the end: who did not take part
+
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
   static StopRequest stop_for_signal(int sig, std::string_view detail = {});  // Slurm's warning, preemption
   std::optional<StopRequest> killed_by_slurm_stop_signal(const std::vector<WorkerExit>& exits);
@@ -217,6 +226,13 @@ class Agent {
   std::mutex requeue_mutex_;
   bool requeue_attempted_ = false, requeued_ = false;
   std::set<std::string> ever_members_;  // nodes of every round so far (end_job_if_batch_script_lost)
+  // --health-check: due at the first join and after each failure of this node's workers
+  bool health_due_ = true;
+  bool health_checked_once_ = false;
+  std::filesystem::path health_marker_;  // this node's marker in the checkpoint directory (removed at the end)
+  std::mutex unhealthy_mutex_;
+  std::vector<std::string> unhealthy_;  // refresh_unhealthy_nodes()
+  bool health_checks_on() const { return o_.health_check_builtin || !o_.health_check_commands.empty(); }
 };
 
 }  // namespace elastrun::launcher

@@ -277,7 +277,11 @@ Change Agent::checkpoint_before_scale_up() {
 
 // Once per agent: the signal thread (a stop signal while group rank 0 re-forms) and the main
 // thread (the round it was re-forming failed or closed meanwhile) may both get here.
-bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& exclude, int signal) {
+bool Agent::request_requeue(FailureClass cls, const std::vector<std::string>& requested_exclude, int signal) {
+  // the nodes that failed their health checks stay out of the requeued job too
+  std::vector<std::string> exclude = requested_exclude;
+  for (auto& node : unhealthy_nodes())
+    if (std::find(exclude.begin(), exclude.end(), node) == exclude.end()) exclude.push_back(std::move(node));
   std::lock_guard lock(requeue_mutex_);
   if (requeue_attempted_) {
     spdlog::info("requeue ({}): already requested by this agent", to_string(cls));
@@ -311,6 +315,7 @@ void Agent::requeue_failed_job() {
   }
   if (!request) return;
   signals_.set_checkpoint_stopping(true);  // Slurm's SIGTERM after our requeue must not cut the exclusion short
+  refresh_unhealthy_nodes();               // a node may have failed its health check since the last round
   request_requeue(FailureClass::App, {}, 0);
 }
 
@@ -333,6 +338,7 @@ void Agent::requeue_after_node_loss() {
     return;
   }
   signals_.set_checkpoint_stopping(true);
+  refresh_unhealthy_nodes();  // e.g. the member that failed its health check after a failure: excluded too
   request_requeue(FailureClass::Node, lost, 0);
 }
 

@@ -20,6 +20,7 @@
 
 #include "elastrun/util/parse.hpp"
 #include "elastrun/worker/contract.hpp"
+#include "subprocess.hpp"
 
 namespace elastrun::launcher {
 
@@ -135,49 +136,10 @@ std::string read_small(const std::string& path) {
 
 // Runs argv with stdout+stderr captured, killed after timeout_seconds. "" if it cannot run.
 std::string capture(const std::vector<std::string>& argv, int timeout_seconds) {
-  int fds[2];
-  if (::pipe2(fds, O_CLOEXEC) != 0) return {};
-  util::UniqueFd read_end(fds[0]), write_end(fds[1]);
-  std::vector<char*> args;
-  std::vector<std::string> copy = argv;
-  for (auto& a : copy) args.push_back(a.data());
-  args.push_back(nullptr);
-  const pid_t child = ::fork();
-  if (child < 0) return {};
-  if (child == 0) {
-    ::setpgid(0, 0);
-    ::dup2(write_end.get(), 1);
-    ::dup2(write_end.get(), 2);
-    const int null = ::open("/dev/null", O_RDONLY);
-    if (null >= 0) ::dup2(null, 0);
-    ::execvp(args[0], args.data());
-    ::_exit(127);
-  }
-  write_end.reset();
-  ::fcntl(read_end.get(), F_SETFL, O_NONBLOCK);
-  std::string out;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(timeout_seconds);
-  bool exited = false;
-  while (!exited) {
-    char buffer[4096];
-    ssize_t n;
-    while ((n = ::read(read_end.get(), buffer, sizeof buffer)) > 0)
-      if (out.size() < (1 << 20)) out.append(buffer, static_cast<std::size_t>(n));
-    int status = 0;
-    if (::waitpid(child, &status, WNOHANG) == child) {
-      exited = true;
-      while ((n = ::read(read_end.get(), buffer, sizeof buffer)) > 0)
-        if (out.size() < (1 << 20)) out.append(buffer, static_cast<std::size_t>(n));
-    } else if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(-child, SIGKILL);
-      ::waitpid(child, &status, 0);
-      out += fmt::format("\n[stack dump stopped after {} s]\n", timeout_seconds);
-      exited = true;
-    } else {
-      ::usleep(50'000);
-    }
-  }
-  return out;
+  auto r = run_captured(argv, std::chrono::seconds(timeout_seconds));
+  if (!r.started) return {};
+  if (r.timed_out) r.output += fmt::format("\n[stack dump stopped after {} s]\n", timeout_seconds);
+  return r.output;
 }
 
 bool on_path(const char* program) {

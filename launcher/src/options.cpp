@@ -364,7 +364,8 @@ struct RawFlags {
   std::string het_nnodes;
   std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300", redirects = "0",
                       tee = "0", ranks_filter, node_rank, master_port, hang_timeout, memory_checkpoints,
-                      partition_timeout;
+                      partition_timeout, health_check_timeout = "60";
+  std::vector<std::string> health_checks;
   // torchrun 2.x flags
   std::string shutdown_timeout, logs_specs, event_log_handler, signals_to_handle, dup_stdout, dup_stderr,
       print_completion;
@@ -385,7 +386,8 @@ void describe_usage(CLI::App& app) {
       "PROGRAM: a *.py script or -m MODULE runs with $ELASTRUN_PYTHON (default python3) -u;\n"
       "any other executable runs as is. PET_<FLAG> environment variables give defaults.\n"
       "Exit codes: 0 success, 1 workers failed for good or rendezvous error, 2 bad command line,\n"
-      "85 workers checkpointed and stopped (requeue requested when allowed), 128+N stopped by\n"
+      "85 workers checkpointed and stopped (requeue requested when allowed), 86 cut off from a\n"
+      "majority of the job (--partition-timeout), 87 this node failed its --health-check, 128+N stopped by\n"
       "signal N. SIGUSR1/SIGUSR2/SIGTERM ask workers to checkpoint and stop through\n"
       "$ELASTRUN_CONTROL_FILE. See docs/launcher.md.");
 }
@@ -473,6 +475,13 @@ void declare_flags(CLI::App& app, RawFlags& raw, AgentOptions& o) {
   app.add_option("--hang-timeout,--hang_timeout", raw.hang_timeout,
                  "seconds without progress (elastrun::control::progress(), elastrun_control.progress()) after "
                  "which a worker that reported progress is hung: its stacks are dumped and the group restarts");
+  app.add_option("--health-check,--health_check", raw.health_checks,
+                 "builtin, or a command (/bin/sh -c) that exits 0 on a healthy node; repeatable: run at the first "
+                 "join and after a failure of this node's workers; a failing node does not join (exit 87)")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->allow_extra_args(false);  // one value per flag: the program that follows is not a second check
+  app.add_option("--health-check-timeout,--health_check_timeout", raw.health_check_timeout,
+                 "seconds a --health-check command may run before it fails the node (default 60)");
   app.add_flag(
       "--use-env,--use_env", raw.use_env,
       "torch.distributed.launch: the local rank only in LOCAL_RANK (elastrun's default; cancels --local-rank-arg)");
@@ -529,6 +538,17 @@ void convert_values(const CLI::App& app, const RawFlags& raw, AgentOptions& o) {
   o.monitor_interval = std::max(Millis(10), seconds_option("--monitor-interval", raw.monitor));
   o.stop_grace = seconds_option("--stop-grace", raw.grace);
   if (!raw.hang_timeout.empty()) o.hang_timeout = seconds_option("--hang-timeout", raw.hang_timeout);
+  for (const auto& check : raw.health_checks) {
+    if (check == "builtin")
+      o.health_check_builtin = true;
+    else if (check.find_first_not_of(" \t") == std::string::npos)
+      throw UsageError(fmt::format("--health-check='{}' is blank: give 'builtin' or a command", check));
+    else
+      o.health_check_commands.push_back(check);
+  }
+  o.health_check_timeout = seconds_option("--health-check-timeout", raw.health_check_timeout);
+  if (o.health_check_timeout.count() <= 0)
+    throw UsageError(fmt::format("--health-check-timeout={} must be more than 0", raw.health_check_timeout));
   if (!raw.memory_checkpoints.empty()) o.memory_checkpoints = memory_budget(raw.memory_checkpoints);
   parse_torchrun2_flags({.shutdown_timeout = raw.shutdown_timeout,
                          .stop_grace_given = app.count("--stop-grace") > 0,
@@ -609,7 +629,17 @@ ParseOutcome parse_command_line(int argc, char** argv, const std::map<std::strin
 
   // PET_<FLAG> defaults go first on the line: explicit flags (later) win (TakeLast).
   std::vector<std::string> args;
+  const auto on_line = [&](std::string_view flag) {  // --flag or --flag=..., dashes or underscores
+    std::string underscored(flag);
+    std::replace(underscored.begin(), underscored.end(), '-', '_');
+    for (int i = 1; i < argc; ++i)
+      for (const auto& f : {std::string(flag), underscored})
+        if (std::string_view(argv[i]) == f || std::string_view(argv[i]).starts_with(f + "=")) return true;
+    return false;
+  };
   for (const auto& [key, value] : pet) {
+    // a repeatable flag adds up: its PET_ default is dropped when the line gives it
+    if (key == "health_check" && on_line("--health-check")) continue;
     if (key == "nproc_per_node" || key == "nnodes" || app.get_option_no_throw("--" + key) != nullptr)
       args.push_back(fmt::format("--{}={}", key, value));
   }

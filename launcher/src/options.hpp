@@ -91,6 +91,10 @@ struct AgentOptions {
   // "--local_rank"; "" = no, as torchrun)
   std::string local_rank_arg;
   Millis hang_timeout{0};  // --hang-timeout: 0 = off
+  // --health-check (health_check.hpp): builtin and/or site commands, each with a timeout
+  bool health_check_builtin = false;
+  std::vector<std::string> health_check_commands;
+  Millis health_check_timeout{60'000};
   // --memory-checkpoints[=BYTES]: the node's budget for the memory checkpoint tier (none = off)
   std::optional<std::uint64_t> memory_checkpoints;
   // --preload=MODULES: Python workers forked by a per-node preloader that imported them ("" = off)

@@ -4,6 +4,7 @@ EVENTS_SCHEMA_VERSION = 1
 NODE_PROTOCOL_VERSION = 1
 CHECKPOINTED_EXIT_CODE = 85
 PARTITIONED_EXIT_CODE = 86
+UNHEALTHY_EXIT_CODE = 87
 PROGRESS_RECORD_FORMAT = '%23ld\n'
 PROGRESS_RECORD_SIZE = 24
 CONTROL_SEEN_SUFFIX = '.seen'
@@ -53,6 +54,7 @@ EVENT_ROUND = 'round'
 EVENT_MEMBER_LOST = 'member_lost'
 EVENT_STORE_LOST = 'store_lost'
 EVENT_PARTITIONED = 'partitioned'
+EVENT_HEALTH_CHECK = 'health_check'
 EVENT_WORKERS_STARTED = 'workers_started'
 EVENT_WORKER_EXIT = 'worker_exit'
 EVENT_FAILURE_DECISION = 'failure_decision'
@@ -68,7 +70,7 @@ EVENT_STEP = 'step'
 EVENT_CHECKPOINT_SAVED = 'checkpoint_saved'
 EVENT_CHECKPOINT_FAILED = 'checkpoint_failed'
 EVENT_TRAIN_DONE = 'train_done'
-AGENT_EVENTS = ('state', 'round', 'member_lost', 'store_lost', 'partitioned', 'workers_started', 'worker_exit', 'failure_decision', 'hang', 'timer_expired', 'checkpoint_request', 'checkpoint_outcome', 'requeue', 'job_completed', 'exit',)
+AGENT_EVENTS = ('state', 'round', 'member_lost', 'store_lost', 'partitioned', 'health_check', 'workers_started', 'worker_exit', 'failure_decision', 'hang', 'timer_expired', 'checkpoint_request', 'checkpoint_outcome', 'requeue', 'job_completed', 'exit',)
 WORKER_EVENTS = ('resumed', 'step', 'checkpoint_saved', 'checkpoint_failed', 'train_done',)
 
 # the node endpoint's requests ("op")

@@ -974,6 +974,25 @@ std::optional<std::string> Rendezvous::read(std::string_view key) {
   return kv->value;
 }
 
+std::optional<std::string> Rendezvous::closed_reason() {
+  auto kv = kv_->get(prefix_ + "closed");
+  if (!kv) return std::nullopt;
+  return kv->value;
+}
+
+std::optional<Rendezvous::ClockReading> Rendezvous::store_clock() {
+  const auto wall_ms = [] {
+    return std::chrono::duration_cast<Millis>(std::chrono::system_clock::now().time_since_epoch()).count();
+  };
+  ClockReading r;
+  r.before_ms = wall_ms();
+  const auto store = kv_->wall_clock_ms();
+  r.after_ms = wall_ms();
+  if (!store) return std::nullopt;
+  r.store_ms = *store;
+  return r;
+}
+
 std::vector<std::pair<std::string, std::string>> Rendezvous::read_prefix(std::string_view key_prefix) {
   const auto base = prefix_ + "pub/";
   std::vector<std::pair<std::string, std::string>> out;

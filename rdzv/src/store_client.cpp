@@ -303,4 +303,17 @@ std::uint64_t StoreClient::ping() {
   return BodyReader(impl_->call(r).body).u64();
 }
 
+std::optional<std::int64_t> StoreClient::wall_clock_ms() {
+  Request r;
+  r.op = Op::Ping;
+  const auto reply = impl_->call(r);
+  BodyReader body(reply.body);
+  body.u64();  // the revision
+  try {
+    return body.i64();
+  } catch (const ProtocolError&) {
+    return std::nullopt;  // a store that does not say its time
+  }
+}
+
 }  // namespace elastrun::rdzv

@@ -384,7 +384,14 @@ struct StoreServer::Impl {
         return queue(id, req, Status::Ok);
       }
       case Op::LeaseRevoke: revoke(req.lease, "revoked by its holder"); return queue(id, req, Status::Ok);
-      case Op::Ping: return queue(id, req, Status::Ok, BodyWriter().u64(revision).bytes());
+      case Op::Ping: {
+        // the revision, then this host's wall clock (ms since the epoch): a client measures its
+        // clock's offset from the store's host with it (the agent's health check)
+        const auto wall_ms =
+            std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+                .count();
+        return queue(id, req, Status::Ok, BodyWriter().u64(revision).i64(wall_ms).bytes());
+      }
       case Op::Hello: break;
     }
   }

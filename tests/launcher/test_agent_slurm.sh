@@ -11,7 +11,9 @@
 #     (exit 1) and group rank 0 (n1) prints the job-wide summary: root cause rank 3 on n2 with its
 #     @record message;
 #  5. kill -9 of the agent on n2 while its workers run -> none of n2's workers survives;
-#  6. a bad flag -> every agent exits 2 with one error line, no worker starts.
+#  6. a bad flag -> every agent exits 2 with one error line, no worker starts;
+#  7. --health-check: n3's fails -> it does not join, world 6, n3 named; the same for n1 (the
+#     store's host, which keeps serving the store).
 # Usage: test_agent_slurm.sh path/to/launcher_test_worker
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-launcher),
 # ELASTRUN_BIN (build/bin).
@@ -158,5 +160,46 @@ srun -N2 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" --nnodes=3:2 "$worker" >"$
 [[ $(grep -c "error:" "$out/bad.log") -ge 2 ]] || fail "no one-line error from each agent: $(cat "$out/bad.log")"
 grep -q '"RANK"' "$out/bad.log" && fail "a worker ran despite the bad flag"
 echo "ok: --nnodes=3:2 -> every agent exits 2: $(grep -m1 "error:" "$out/bad.log")"
+
+# ---- 7. health checks: a node that fails one does not join; the job goes on without it ------
+# n3's site check fails (as a GPU with ECC errors would): world 6 (n1 n2 n4), n3 named in its own
+# error line, its event and group rank 0's report; then the same for n1, the store's host, which
+# keeps serving the store (without joining) until the job ends. builtin runs too (clock against
+# the store's host, the checkpoint directory shared by every node, /dev/shm, memory).
+health_case() {  # NAME UNHEALTHY_NODE EXPECTED_ORDER
+  local name=$1 bad=$2
+  mkdir -p "$out/$name" "$out/$name-ckpt"
+  local check="if [ \"\$SLURMD_NODENAME\" = $bad ]; then echo 'GPU 2: 3 uncorrectable ECC errors'; exit 1; fi"
+  TEST_WORKER_OUT_DIR=$out/$name timeout 180 srun --no-kill -N4 --ntasks-per-node=1 \
+    "$ELASTRUN_BIN/elastrun" --nnodes=3:4 --nproc-per-node=2 --health-check=builtin --health-check="$check" \
+    --checkpoint-dir="$out/$name-ckpt" --log-dir="$out/$name-logs" "$worker" >"$out/$name.log" 2>&1 || true
+  /usr/bin/python3 - "$out" "$name" "$bad" "$3" <<'PY'
+import glob, json, re, sys
+out, name, bad, order = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+runs = [json.load(open(f)) for f in glob.glob(f"{out}/{name}/rank*.json")]
+assert sorted(int(r["RANK"]) for r in runs) == list(range(6)), runs
+for r in runs:
+    assert r["WORLD_SIZE"] == "6" and r["ELASTRUN_NODE"] == order[int(r["RANK"]) // 2], r
+log = open(f"{out}/{name}.log").read()
+line = [l for l in log.splitlines() if f"node {bad} failed its health check" in l]
+assert len(line) == 1 and "GPU 2: 3 uncorrectable ECC errors" in line[0] and "exiting 87" in line[0], line
+assert len(re.findall(r"done; exiting 0", log)) == 3, "the three healthy agents did not all finish"
+assert re.search(rf"node {bad} left the job: failed its health check \(first join, command\)", log), "group rank 0 did not name it"
+events = lambda node: [json.loads(l) for l in open(glob.glob(f"{out}/{name}-logs/**/events-{node}.jsonl", recursive=True)[0])]
+failed = [e for e in events(bad) if e["event"] == "health_check"]
+assert len(failed) == 1 and failed[0]["ok"] is False and failed[0]["check"] == "command", failed
+assert not [e for e in events(bad) if e["event"] == "workers_started"], "the unhealthy node started workers"
+passed = [e for e in events(order[0]) if e["event"] == "health_check"]
+assert len(passed) == 1 and passed[0]["ok"] is True, passed
+checks = {c["check"]: c for c in passed[0]["checks"]}
+assert {"gpus", "memory", "shm", "clock", "checkpoint-dir", "command"} <= set(checks), checks
+assert all(c["ok"] for c in checks.values()), checks
+print(f"ok: {bad} failed its health check -> world 6 on {' '.join(order)}; {bad} named;", checks["clock"]["what"])
+PY
+  ls -A "$out/$name-ckpt" | grep -q . && fail "health-check markers left in the checkpoint directory: $(ls -A "$out/$name-ckpt")"
+  return 0
+}
+health_case health n3 n1,n2,n4
+health_case health-store-host n1 n2,n3,n4
 
 echo "ok: slurm.launcher_agent"

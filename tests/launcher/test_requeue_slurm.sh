@@ -14,6 +14,10 @@
 #   second node -> the survivor cannot form a 2-node round within join_timeout (20 s) -> it
 #   requeues the job (class node) excluding the lost node; the second run runs on the two other
 #   nodes (SLURM_RESTART_COUNT=1) and finishes; the ledger counts one node requeue.
+# unhealthy: as node, but instead of dying the second node's "GPU fails" (a marker its
+#   --health-check command looks for) and its worker is killed: after the failure its agent checks
+#   the node again, fails, does not join (exit 87); the survivor cannot form a 2-node round, and the
+#   requeue excludes the unhealthy node (not down in Slurm: excluded because it said so).
 # rendezvous: as node, but join_timeout is long: the survivor (group rank 0 of the lost round)
 #   waits in RENDEZVOUS with no workers; `scancel --signal=USR1 JOB` then makes it requeue the job
 #   (class timelimit: no worker can checkpoint, the last checkpoint stands) before it exits; the
@@ -52,8 +56,10 @@ second_run_done() {
 [[ $case_name == preempt ]] && export TESTBED_PREEMPT=1 TESTBED_GRACE_TIME=20
 private_testbed_up "$([[ $case_name == signal || $case_name == preempt ]] && echo 2 || echo 3)"
 
-if [[ $case_name == node || $case_name == rendezvous ]]; then
+if [[ $case_name == node || $case_name == rendezvous || $case_name == unhealthy ]]; then
   join_timeout=20; [[ $case_name == rendezvous ]] && join_timeout=600
+  # unhealthy: a node whose marker file exists fails its health check (checked after a failure)
+  health=; [[ $case_name == unhealthy ]] && health="--max-restarts=1 --health-check='if [ -e $out/unhealthy.\$SLURMD_NODENAME ]; then echo GPU 0 fell off the bus; exit 1; fi'"
   cat >"$out/job.sh" <<EOF
 #!/bin/bash
 run=\${SLURM_RESTART_COUNT:-0}
@@ -62,7 +68,7 @@ mkdir -p "$out/run\$run"
 sleep_s=300; [[ \$run -ge 1 ]] && sleep_s=2
 TMPDIR=$out/tmp TEST_WORKER_SLEEP=\$sleep_s TEST_WORKER_OUT_DIR=$out/run\$run \\
   srun --no-kill -N2 --ntasks-per-node=1 "$ELASTRUN_BIN/elastrun" --nnodes=2 --nproc-per-node=1 \\
-  --checkpoint-dir=$out/ckpt --rdzv-conf=join_timeout=$join_timeout,heartbeat_timeout=2 "$worker"
+  --checkpoint-dir=$out/ckpt --rdzv-conf=join_timeout=$join_timeout,heartbeat_timeout=2 $health "$worker"
 echo "srun exited \$? in run \$run"
 EOF
   chmod +x "$out/job.sh"
@@ -73,9 +79,17 @@ EOF
   wait_for 120 have_files 2 "$out/run0/rank*.json" || fail "2 workers of the first run did not start (job state $(job_state))"
   victim=$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["ELASTRUN_NODE"])' \
     "$(ls "$out"/run0/rank1.gen*.json | head -1)")
-  "$TB" kill-node "$victim"
+  if [[ $case_name == unhealthy ]]; then
+    # its GPU "fails" and its worker dies of it: after the failure its agent checks the node again
+    touch "$out/unhealthy.$victim"
+    kill -KILL "$(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["pid"])' \
+      "$(ls "$out"/run0/rank1.gen*.json | head -1)")"
+    echo "$victim's GPU failed (marker), its worker killed"
+  else
+    "$TB" kill-node "$victim"
+    echo "killed $victim (group rank 1)"
+  fi
   killed=$SECONDS
-  echo "killed $victim (group rank 1)"
   if [[ $case_name == rendezvous ]]; then
     # the survivor's second RENDEZVOUS: it waits for a 2nd node that will not come
     wait_for 120 have_lines 3 "\] state RENDEZVOUS run" "$out/job.out" ||
@@ -93,7 +107,7 @@ assert sorted(int(r["RANK"]) for r in second) == [0, 1], second
 assert all(r["SLURM_RESTART_COUNT"] == "1" for r in second), second
 assert victim not in {r["ELASTRUN_NODE"] for r in second}, second
 ledger = json.load(open(out + "/ckpt/elastrun-requeue.json"))
-want = {"node": (1, 0), "rendezvous": (0, 1)}[sys.argv[3]]
+want = {"node": (1, 0), "unhealthy": (1, 0), "rendezvous": (0, 1)}[sys.argv[3]]
 assert (ledger["node"], ledger["timelimit"]) == want, ledger
 print("ok: second run on", sorted(r["ELASTRUN_NODE"] for r in second), "with SLURM_RESTART_COUNT=1; ledger", ledger)
 PY
@@ -108,12 +122,16 @@ PY
     echo "ok: slurm.launcher_requeue_rendezvous"
     exit 0
   fi
+  if [[ $case_name == unhealthy ]]; then
+    grep -q "error: node $victim failed its health check (after a failure, command): .*GPU 0 fell off the bus; it does not join; exiting 87" "$log" ||
+      fail "$victim did not fail its health check after the failure"
+  fi
   [[ $(grep -c "requeued job $job (class node, requeue 1 of 3)" "$log") -eq 1 ]] || fail "expected one node-class requeue"
   grep -q "excluding node(s) $victim from requeued job $job" "$log" || fail "no line about excluding $victim"
   # the agent may be killed by the requeue before it logs the outcome: ask slurmctld
   scontrol show job "$job" | grep -q "ExcNodeList=$victim\b" || fail "job $job does not exclude $victim"
   grep -E "\] (state |error|requeue|exiting)" "$log" | head -40
-  echo "ok: slurm.launcher_requeue_node"
+  echo "ok: slurm.launcher_requeue_$case_name"
   exit 0
 fi
 

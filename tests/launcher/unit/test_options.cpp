@@ -126,6 +126,25 @@ TEST(Options, MemoryCheckpointsWithAndWithoutABudget) {
             std::string::npos);
 }
 
+TEST(Options, HealthChecksBuiltinAndCommandsRepeatable) {
+  const auto none = parse({"x"});
+  EXPECT_FALSE(none.health_check_builtin);
+  EXPECT_TRUE(none.health_check_commands.empty());
+  EXPECT_EQ(none.health_check_timeout, Millis(60'000));
+  const auto both =
+      parse({"--health-check=builtin", "--health_check", "/site/gpu-ok --quick", "--health-check-timeout=5", "x"});
+  EXPECT_TRUE(both.health_check_builtin);
+  EXPECT_EQ(both.health_check_commands, std::vector<std::string>{"/site/gpu-ok --quick"});
+  EXPECT_EQ(both.health_check_timeout, Millis(5000));
+  EXPECT_EQ(both.program, "x");
+  // PET_HEALTH_CHECK is the default; a flag on the line replaces it instead of adding to it
+  EXPECT_EQ(parse({"x"}, {{"health_check", "/site/a"}}).health_check_commands, std::vector<std::string>{"/site/a"});
+  const auto replaced = parse({"--health-check=/site/b", "x"}, {{"health_check", "/site/a"}});
+  EXPECT_EQ(replaced.health_check_commands, std::vector<std::string>{"/site/b"});
+  EXPECT_NE(refusal({"--health-check= ", "x"}).find("--health-check=' ' is blank"), std::string::npos);
+  EXPECT_NE(refusal({"--health-check-timeout=0", "x"}).find("--health-check-timeout"), std::string::npos);
+}
+
 TEST(Options, MasterPortAloneIsTheStaticFormOnThisMachine) {
   auto o = parse({"--nnodes=1", "--master-port=29600", "x"});  // torchrun's --master-addr default
   EXPECT_EQ(o.master_addr, "127.0.0.1");

@@ -61,6 +61,9 @@ class KvBackend {
   // ConnectionLost, and so does every later one (the embedded store's client shuts its socket
   // down). Used to fence an agent on its own clock when its keep-alives go unanswered.
   virtual void interrupt() {}
+  // The store host's wall clock (milliseconds since the epoch) as it answers now; nullopt where
+  // the backend cannot tell (etcd). The agent's health check measures its clock offset with it.
+  virtual std::optional<std::int64_t> wall_clock_ms() { return std::nullopt; }
 };
 
 }  // namespace elastrun::rdzv

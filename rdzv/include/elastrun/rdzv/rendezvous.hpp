@@ -320,6 +320,16 @@ class Rendezvous {
   std::optional<std::string> read(std::string_view key);
   // Every record whose key starts with `key_prefix`: (key, value) in key order.
   std::vector<std::pair<std::string, std::string>> read_prefix(std::string_view key_prefix);
+  // Why the rendezvous was closed, nullopt while it is open (an agent that does not join asks).
+  std::optional<std::string> closed_reason();
+
+  // The store host's clock read between two readings of ours (wall clock, ms since the epoch),
+  // nullopt where the store cannot say its time (etcd). The offset is store - midpoint, known to
+  // within half the round trip.
+  struct ClockReading {
+    std::int64_t before_ms = 0, store_ms = 0, after_ms = 0;
+  };
+  std::optional<ClockReading> store_clock();
 };
 
 }  // namespace elastrun::rdzv

@@ -132,6 +132,7 @@ class StoreClient final : public KvBackend {
   bool keep_alive(std::uint64_t lease) override;           // false: the lease is gone (we were declared dead)
   void revoke_lease(std::uint64_t lease) override;
   std::uint64_t ping();  // the store's revision
+  std::optional<std::int64_t> wall_clock_ms() override;
   void set_reply_timeout(Millis timeout) override;
   void interrupt() override;
 

@@ -16,6 +16,8 @@ inline constexpr int kNodeProtocolVersion = 1;
 inline constexpr int kCheckpointedExitCode = 85;
 // The agent's exit code after --partition-timeout without quorum (cut off from a majority).
 inline constexpr int kPartitionedExitCode = 86;
+// The agent's exit code when its node failed a --health-check: it does not join.
+inline constexpr int kUnhealthyExitCode = 87;
 // what progress(step) writes at offset 0 of $ELASTRUN_PROGRESS_FILE: the step (-1: none), right-aligned, and a newline
 // (printf format, size in bytes).
 inline constexpr const char* kProgressRecordFormat = "%23ld\n";
@@ -133,6 +135,10 @@ inline constexpr std::string_view kPartitioned =
     "partitioned";  // agent: no quorum: cut off from a majority of the last round, this node waits without training
                     // (waiting true); or the wait ended (waiting false): a round formed again, or every absent member
                     // was confirmed gone (then `--rdzv-conf join_timeout` applies as usual)
+inline constexpr std::string_view kHealthCheck =
+    "health_check";  // agent: the node's health checks ran (--health-check; when: first join, after a failure): ok
+                     // false names the check that failed and what it found, and the node leaves the job (exit 87); ok
+                     // true lists each check (checks)
 inline constexpr std::string_view kWorkersStarted = "workers_started";    // agent: this node's workers were started
 inline constexpr std::string_view kWorkerExit = "worker_exit";            // agent: a worker exited
 inline constexpr std::string_view kFailureDecision = "failure_decision";  // agent: what the agent does about a failure
