@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 #include <ifaddrs.h>
 #include <net/if.h>
+#include <netdb.h>
 #include <netinet/in.h>
 
 #include <algorithm>
@@ -26,6 +27,19 @@ std::vector<NetworkInterface> network_interfaces() {
     found.push_back({i->ifa_name, text, (i->ifa_flags & IFF_LOOPBACK) != 0});
   }
   return found;
+}
+
+std::string first_ipv4_of(const std::string& host) {
+  in_addr literal{};
+  if (inet_pton(AF_INET, host.c_str(), &literal) == 1) return host;
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  addrinfo* raw = nullptr;
+  if (host.empty() || getaddrinfo(host.c_str(), nullptr, &hints, &raw) != 0 || !raw) return {};
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> found(raw, &freeaddrinfo);
+  char text[INET_ADDRSTRLEN] = {};
+  return inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(found->ai_addr)->sin_addr, text, sizeof text) ? text
+                                                                                                                : "";
 }
 
 SocketInterfaceChoice choose_socket_interface(const std::string& address,

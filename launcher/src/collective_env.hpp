@@ -20,6 +20,10 @@ struct NetworkInterface {
 // This host's interfaces that are up, one entry per IPv4 address (getifaddrs).
 std::vector<NetworkInterface> network_interfaces();
 
+// The IPv4 address `host` (a name or a literal) resolves to first, "" when it does not: the
+// address to give choose_socket_interface for a node known by name (srun --torch-env).
+std::string first_ipv4_of(const std::string& host);
+
 struct SocketInterfaceChoice {
   std::string ifname;  // NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME; "" : the libraries choose
   std::string note;    // one line for the agent's log ("" : nothing worth saying)

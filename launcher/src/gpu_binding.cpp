@@ -79,4 +79,18 @@ WorkerDevice device_for_worker(const GpuSet& gpus, int local_rank, int gpus_per_
   return {fmt::format("{}", fmt::join(begin, begin + per_worker, ",")), 0};
 }
 
+std::optional<int> task_device(const std::optional<std::string>& cuda_visible_devices, std::optional<int> gpus_on_node,
+                               int local_rank) {
+  std::size_t visible = 0;
+  if (cuda_visible_devices)
+    for (const auto& id : util::split_list(*cuda_visible_devices))
+      if (!id.empty()) ++visible;
+  if (visible == 0) {  // Slurm set none: the task sees every GPU of the node
+    if (!gpus_on_node || *gpus_on_node <= 0) return std::nullopt;
+    return local_rank % *gpus_on_node;
+  }
+  if (gpus_on_node && static_cast<std::size_t>(*gpus_on_node) > visible) return 0;  // its own share
+  return local_rank % static_cast<int>(visible);
+}
+
 }  // namespace elastrun::launcher

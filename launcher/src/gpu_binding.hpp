@@ -41,4 +41,13 @@ struct WorkerDevice {
 // std::runtime_error naming the set when it has too few GPUs.
 WorkerDevice device_for_worker(const GpuSet& gpus, int local_rank, int gpus_per_worker, bool virtual_local_rank);
 
+// Per-task mode (srun --torch-env, no agent): the device a task passes to set_device
+// (ELASTRUN_DEVICE), from what Slurm gave the task. Its own share -- fewer GPUs in its
+// CUDA_VISIBLE_DEVICES than SLURM_GPUS_ON_NODE (--gpus-per-task, --ntasks-per-gpu,
+// --gpu-bind=map_gpu|single) -- is 0, its first; the node's whole set (--gpus-per-node), or no
+// CUDA_VISIBLE_DEVICES at all (--gpu-bind=none: every GPU of the node), is indexed by
+// LOCAL_RANK modulo its size, torchrun's convention. nullopt: the task has no GPUs.
+std::optional<int> task_device(const std::optional<std::string>& cuda_visible_devices, std::optional<int> gpus_on_node,
+                               int local_rank);
+
 }  // namespace elastrun::launcher

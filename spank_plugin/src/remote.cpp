@@ -36,6 +36,7 @@ extern "C" {
 #include <cstring>
 #include <stdexcept>
 
+#include "collective_env.hpp"
 #include "common.hpp"
 #include "elastic.hpp"
 #include "slurm_api.hpp"
@@ -247,6 +248,22 @@ int task_init(spank_t sp) {
                       master_node(task), s.master_node));
     }
     vars = torch_environment(task, s.master_addr, s.site.run_id);
+    // as the agent's workers: the device to use and the collective libraries' defaults, with the
+    // interface of this node's address (as MASTER_ADDR is found for the first node) when it has several
+    const auto task_env = job_environment(sp);
+    std::string ifname;
+    try {
+      const auto node = env_value(task_env, "SLURMD_NODENAME");
+      if (!node.empty()) {
+        const auto choice = launcher::choose_socket_interface(
+            launcher::first_ipv4_of(resolve_master(node, s.site.master_addr)), launcher::network_interfaces());
+        ifname = choice.ifname;
+        if (choice.warning) log_info("{}", choice.note);
+      }
+    } catch (const std::exception& e) {
+      log_debug("no socket interface chosen for the collective libraries: {}", e.what());
+    }
+    for (auto& kv : task_device_environment(task_env, task.placement.local_rank, ifname)) vars.push_back(std::move(kv));
   } catch (const std::exception& e) {
     fail_task(fmt::format("--torch-env: {}", e.what()));
   }

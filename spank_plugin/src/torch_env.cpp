@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include "collective_env.hpp"
+#include "elastrun/util/parse.hpp"
 #include "elastrun/worker/contract.hpp"
+#include "gpu_binding.hpp"
 
 namespace elastrun::spank {
 
@@ -63,6 +66,23 @@ EnvVars torch_environment(const rdzv::DetectedEnv& task, const std::string& mast
       {std::string(contract::env::kRestartCount), "0"},
       {std::string(contract::env::kMaxRestarts), "0"},
   };
+}
+
+EnvVars task_device_environment(const rdzv::EnvMap& task_env, int local_rank, const std::string& socket_ifname) {
+  auto value = [&](const char* name) -> std::optional<std::string> {
+    const auto it = task_env.find(name);
+    if (it == task_env.end()) return std::nullopt;
+    return it->second;
+  };
+  std::optional<int> gpus_on_node;
+  if (auto text = value("SLURM_GPUS_ON_NODE")) gpus_on_node = util::parse_integer<int>(*text);
+  EnvVars vars;
+  if (auto device = launcher::task_device(value("CUDA_VISIBLE_DEVICES"), gpus_on_node, local_rank))
+    vars.emplace_back(std::string(contract::env::kDevice), std::to_string(*device));
+  std::vector<std::string> inherited;
+  for (const auto& [name, v] : task_env) inherited.push_back(name + "=" + v);
+  for (auto& kv : launcher::collective_defaults(socket_ifname, inherited)) vars.push_back(std::move(kv));
+  return vars;
 }
 
 }  // namespace elastrun::spank

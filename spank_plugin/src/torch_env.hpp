@@ -36,4 +36,11 @@ std::string run_id(const rdzv::DetectedEnv& step, RunIdMode mode);
 // The variables for one task. `master_addr` is the resolved address of master_node().
 EnvVars torch_environment(const rdzv::DetectedEnv& task, const std::string& master_addr, RunIdMode mode);
 
+// What the agent gives its workers besides the torch variables, for one task from its own
+// environment (`task_env`, as Slurm set it): ELASTRUN_DEVICE, the index to pass to set_device
+// (gpu_binding.hpp: task_device; none without GPUs), and the collective libraries' defaults
+// (collective_env.hpp: NCCL's async error handling; with `socket_ifname`, NCCL_SOCKET_IFNAME and
+// GLOO_SOCKET_IFNAME), each of those unless the task's environment sets it.
+EnvVars task_device_environment(const rdzv::EnvMap& task_env, int local_rank, const std::string& socket_ifname);
+
 }  // namespace elastrun::spank

@@ -78,9 +78,14 @@ check_leftovers() { # at exit, once the testbed is down
 
 NODES=2
 [[ $CASE == elastic* ]] && NODES=3
+UP_OPTS=()
+if [[ $CASE == gpus ]]; then
+  for f in /dev/tty0 /dev/tty1 /dev/tty2 /dev/tty3; do [[ -c $f ]] || skip "no $f: the testbed's GPUs need /dev/tty0..3"; done
+  UP_OPTS=(--gpus 4)
+fi
 private_testbed
 on_exit check_leftovers
-testbed_up $NODES
+testbed_up $NODES "${UP_OPTS[@]}"
 eval "$("$TB" env)"
 DIR=$("$TB" dir)
 SPANK_CLUSTER=$(sed -n 's/^ClusterName=//p' "$DIR/slurm.conf")
@@ -385,6 +390,59 @@ python)
     fail "load at world 3: srun exited $?: $(tail -5 "$out/py-load.log")"
   [[ $(grep -c 'loaded step 3 at world 3' "$out/py-load.log") -eq 3 ]] || fail "load: not all 3 ranks loaded"
   echo "ok: elastrun.checkpoint under srun --torch-env: own store (2 nodes x 2), world 4 -> 3 through the group's store"
+  ;;
+gpus)
+  # Slurm's GPU options on a testbed with 4 GPUs per node (GRES on /dev/tty0..3, no
+  # ConstrainDevices: global indices, as on clusters that do not constrain devices). Every task's
+  # (or worker's) environment is read: the GPU it would use -- its CUDA_VISIBLE_DEVICES entry at
+  # ELASTRUN_DEVICE -- and NCCL's defaults.
+  probe='printf "{\"node\":\"%s\",\"local\":%s,\"cvd\":\"%s\",\"cvd_set\":%s,\"device\":\"%s\",\"async\":\"%s\",\"torch_async\":\"%s\"}\n" "$SLURMD_NODENAME" "${LOCAL_RANK:-$SLURM_LOCALID}" "${CUDA_VISIBLE_DEVICES-}" "$([ -n "${CUDA_VISIBLE_DEVICES+x}" ] && echo true || echo false)" "${ELASTRUN_DEVICE-}" "${NCCL_ASYNC_ERROR_HANDLING-}" "${TORCH_NCCL_ASYNC_ERROR_HANDLING-}"'
+  gpu_case() {  # NAME EXPECTED_GPUS(node/local=gpu,... or "none") [ENV=V] -- srun/elastrun command...
+    local name=$1 want=$2
+    shift 2
+    "$@" >"$out/$name.jsonl" 2>"$out/$name.err" || { cat "$out/$name.err" >&2; fail "$name: $* exited $?"; }
+    "$PY" - "$out/$name.jsonl" "$want" "$name" <<'PY' || { cat "$out/$name.jsonl" "$out/$name.err" >&2; fail "$name: wrong GPU or NCCL environment"; }
+import json, sys
+rows = [json.loads(l[l.index("{"):]) for l in open(sys.argv[1]) if "{" in l]  # after a [rank N] prefix, if any
+want, name = sys.argv[2], sys.argv[3]
+got = {}
+for r in rows:
+    if want == "none":
+        assert r["device"] == "", r  # no GPUs: no device
+        continue
+    device = int(r["device"])
+    if r["cvd_set"]:
+        visible = [v for v in r["cvd"].split(",") if v]
+        assert 0 <= device < len(visible), r  # set_device(ELASTRUN_DEVICE) works in this process
+        got[f'{r["node"]}/{r["local"]}'] = visible[device]
+    else:
+        got[f'{r["node"]}/{r["local"]}'] = str(device)  # every GPU of the node visible
+if want != "none":
+    expected = dict(kv.split("=") for kv in want.split(","))
+    assert got == expected, (got, expected)
+user = "NCCL_ASYNC_ERROR_HANDLING=0" in name
+for r in rows:
+    assert r["async"] == ("0" if user else "1") and r["torch_async"] == "1", r
+print(f"ok: {name}: " + (" ".join(f"{k}->GPU {v}" for k, v in sorted(got.items())) or "no GPUs, no ELASTRUN_DEVICE"))
+PY
+  }
+  te=(srun --torch-env -w n1)
+  gpu_case per-task n1/0=0,n1/1=1,n1/2=2,n1/3=3 "${te[@]}" -N1 -n4 --gpus-per-task=1 sh -c "$probe"
+  gpu_case per-node n1/0=0,n1/1=1,n1/2=2,n1/3=3 "${te[@]}" -N1 -n4 --gpus-per-node=4 sh -c "$probe"
+  gpu_case tasks-per-gpu n1/0=0,n1/1=0,n1/2=1,n1/3=1 "${te[@]}" -N1 -n4 --ntasks-per-gpu=2 sh -c "$probe"
+  gpu_case two-per-task n1/0=0,n1/1=2 "${te[@]}" -N1 -n2 --gpus-per-task=2 sh -c "$probe"
+  gpu_case map-gpu n1/0=3,n1/1=2,n1/2=1,n1/3=0 "${te[@]}" -N1 -n4 --gpus=4 --gpu-bind=map_gpu:3,2,1,0 sh -c "$probe"
+  gpu_case bind-none n1/0=0,n1/1=1,n1/2=2,n1/3=3 "${te[@]}" -N1 -n4 --gpus-per-task=1 --gpu-bind=none sh -c "$probe"
+  gpu_case two-nodes n1/0=0,n1/1=1,n2/0=0,n2/1=1 srun --torch-env -N2 -n4 --ntasks-per-node=2 --gpus-per-task=1 sh -c "$probe"
+  gpu_case no-gpus none "${te[@]}" -N1 -n2 sh -c "$probe"
+  gpu_case NCCL_ASYNC_ERROR_HANDLING=0 n1/0=0,n1/1=1 env NCCL_ASYNC_ERROR_HANDLING=0 "${te[@]}" -N1 -n2 --gpus-per-task=1 sh -c "$probe"
+  # the agent: --nproc-per-node=gpu counts the step's GPUs; --gpus-per-worker narrows each worker's list
+  # (its job directory, kept after the job by design, goes to a TMPDIR of its own)
+  mkdir -p "$out/agent-tmp"
+  gpu_case agent-gpu n1/0=0,n1/1=1,n1/2=2,n1/3=3,n2/0=0,n2/1=1,n2/2=2,n2/3=3 env TMPDIR="$out/agent-tmp" srun -N2 --ntasks-per-node=1 --gpus-per-node=4 \
+    "$ELASTRUN_AGENT" --nproc-per-node=gpu sh -c "$probe"
+  gpu_case agent-two-per-worker n1/0=0,n1/1=2 env TMPDIR="$out/agent-tmp" srun -w n1 -N1 --gpus-per-node=4 \
+    "$ELASTRUN_AGENT" --nproc-per-node=gpu --gpus-per-worker=2 sh -c "$probe"
   ;;
 *) fail "unknown case $CASE" ;;
 esac

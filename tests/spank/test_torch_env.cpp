@@ -132,3 +132,19 @@ TEST(TorchEnvironment, NotAStep) {
   bad["SLURM_PROCID"] = "4";  // not below SLURM_STEP_NUM_TASKS
   EXPECT_THROW(detect_step(bad, fake_expand), elastrun::rdzv::EnvError);
 }
+
+TEST(TaskDevice, GpuAndNcclVariablesOfATaskLikeTheAgentsWorkers) {
+  // --gpus-per-task=1, local rank 2: its one GPU is device 0; NCCL fails fast; the NIC when given
+  const EnvMap task{{"CUDA_VISIBLE_DEVICES", "2"}, {"SLURM_GPUS_ON_NODE", "4"}};
+  const auto vars = task_device_environment(task, 2, "ib0");
+  const std::map<std::string, std::string> got(vars.begin(), vars.end());
+  EXPECT_EQ(got, (std::map<std::string, std::string>{{"ELASTRUN_DEVICE", "0"},
+                                                     {"NCCL_ASYNC_ERROR_HANDLING", "1"},
+                                                     {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"},
+                                                     {"NCCL_SOCKET_IFNAME", "ib0"},
+                                                     {"GLOO_SOCKET_IFNAME", "ib0"}}));
+  // what the user set stays; no GPUs: no ELASTRUN_DEVICE
+  const auto user = task_device_environment({{"NCCL_ASYNC_ERROR_HANDLING", "0"}}, 1, "");
+  const std::map<std::string, std::string> kept(user.begin(), user.end());
+  EXPECT_EQ(kept, (std::map<std::string, std::string>{{"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"}}));
+}

@@ -92,5 +92,32 @@ TEST(GpuBinding, DeviceFilesAreTheNumberedOnes) {
   EXPECT_EQ(count_nvidia_device_files(dev.path()), 2);
 }
 
+// Per-task mode (srun --torch-env): each row is what Slurm 22.05 gave a task on the testbed
+// (4 GPUs per node, no ConstrainDevices: global indices), or on a site that constrains devices
+// (0-based indices), and the device the task must pass to set_device.
+TEST(GpuBinding, PerTaskModeEachSlurmOptionGivesTheTaskItsOwnGpu) {
+  struct Row {
+    const char* option;
+    std::optional<std::string> cvd;
+    std::optional<int> gpus_on_node;
+    int local_rank;
+    std::optional<int> device;
+  };
+  const std::vector<Row> rows{
+      {"--gpus-per-task=1", "2", 4, 2, 0},
+      {"--gpus-per-task=1, ConstrainDevices", "0", 4, 2, 0},
+      {"--gpus-per-node=4", "0,1,2,3", 4, 2, 2},
+      {"--gpus-per-node=4, 8 tasks", "0,1,2,3", 4, 6, 2},
+      {"--ntasks-per-gpu=2", "1", 2, 3, 0},
+      {"--gpus-per-task=2", "2,3", 4, 1, 0},
+      {"--gpu-bind=map_gpu:3,2,1,0", "0", 4, 3, 0},
+      {"--gpu-bind=none (no CUDA_VISIBLE_DEVICES)", std::nullopt, 4, 3, 3},
+      {"one task, --gpus-per-node=1", "0", 1, 0, 0},
+      {"no GPUs", std::nullopt, std::nullopt, 1, std::nullopt},
+      {"no GPUs, an empty CUDA_VISIBLE_DEVICES", "", std::nullopt, 1, std::nullopt},
+  };
+  for (const auto& r : rows) EXPECT_EQ(task_device(r.cvd, r.gpus_on_node, r.local_rank), r.device) << r.option;
+}
+
 }  // namespace
 }  // namespace elastrun::launcher
