@@ -109,6 +109,13 @@ int Agent::run() {
         spdlog::warn("warning: {} workers on {} GPU(s): workers {}.. share GPUs (NCCL refuses two ranks on one GPU)",
                      o_.nproc_per_node, gpus_.size(), gpus_.size());
     }
+    if (!o_.numa_binding.empty() && gpus_.size() > 0) {
+      gpu_cpus_ = cpus_near_gpus(gpus_, read_gpu_numa_nodes());
+      for (std::size_t i = 0; i < gpu_cpus_.size(); ++i)
+        if (!gpu_cpus_[i].empty())
+          spdlog::info("--numa-binding: a worker on GPU {} runs on CPUs {} (its NUMA node)", gpus_.visible[i],
+                       fmt::join(gpu_cpus_[i], ","));
+    }
     cpus_ = cpu_count();
     if (o_.nproc_per_node > 1 && !std::getenv("OMP_NUM_THREADS"))
       spdlog::info("workers' OMP_NUM_THREADS: {} ({} CPU(s) here for {} workers; set it to choose)",
@@ -256,7 +263,8 @@ Transition Agent::start_workers() {
       .memory_budget = runtime_.memory() ? std::optional(runtime_.memory()->budget()) : std::nullopt,
       .socket_ifname = socket_ifname_,
       .cpus = cpus_,
-      .gpus = gpus_};
+      .gpus = gpus_,
+      .gpu_cpus = gpu_cpus_};
   attempt_dir_ = attempt_dir;
   killed_by_us_.clear();
   auto specs = worker_specs(attempt, inherited_environment(environ));

@@ -191,6 +191,7 @@ class Agent {
   std::string socket_ifname_;                 // the workers' NCCL/GLOO_SOCKET_IFNAME: chosen once at start
   int cpus_ = 0;                              // this agent's CPUs (its affinity mask), read once at start
   GpuSet gpus_;                               // the step's GPUs on this node, read once at start
+  std::vector<std::vector<int>> gpu_cpus_;    // --numa-binding: the CPUs near each GPU, read once at start
   std::optional<TempDir> tmp_;
   std::filesystem::path attempt_base_;
   std::string job_dir_;            // the job directory in use ("" if none: job_dir.hpp)

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <fstream>
 #include <stdexcept>
 
 #include "elastrun/util/parse.hpp"
@@ -30,8 +31,15 @@ GpuSet detect_gpus(const EnvLookup& env, int nvidia_device_files) {
   // CUDA_VISIBLE_DEVICES is what CUDA will enumerate, whoever set it (Slurm for the step, or the
   // user); Slurm's own lists are global indices, right for CUDA where devices are not constrained
   // (where they are, Slurm sets CUDA_VISIBLE_DEVICES, 0-based, and it comes first).
-  if (auto devices = device_list(env("CUDA_VISIBLE_DEVICES")))
-    return {std::move(*devices), "CUDA_VISIBLE_DEVICES", false};
+  if (auto devices = device_list(env("CUDA_VISIBLE_DEVICES"))) {
+    GpuSet set{std::move(*devices), "CUDA_VISIBLE_DEVICES", false};
+    for (const char* name : {"SLURM_STEP_GPUS", "SLURM_JOB_GPUS"})
+      if (auto global = device_list(env(name)); global && global->size() == set.size() && !global->empty()) {
+        set.slurm_ids = std::move(*global);
+        break;
+      }
+    return set;
+  }
   for (const char* name : {"SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "GPU_DEVICE_ORDINAL"})
     if (auto devices = device_list(env(name))) return {std::move(*devices), name, true};
   GpuSet all{{}, "/dev/nvidia*", false};
@@ -77,6 +85,37 @@ WorkerDevice device_for_worker(const GpuSet& gpus, int local_rank, int gpus_per_
         fmt::join(gpus.visible, ",")));
   const auto begin = gpus.visible.begin() + static_cast<std::ptrdiff_t>(first);
   return {fmt::format("{}", fmt::join(begin, begin + per_worker, ",")), 0};
+}
+
+std::vector<GpuNumaNode> read_gpu_numa_nodes(const std::filesystem::path& proc, const std::filesystem::path& pci) {
+  std::vector<GpuNumaNode> gpus;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(proc, ec)) {
+    GpuNumaNode gpu;
+    std::ifstream info(entry.path() / "information");
+    for (std::string line; std::getline(info, line);) {
+      const auto colon = line.find(':');
+      if (colon == std::string::npos) continue;
+      auto value = std::string_view(line).substr(colon + 1);
+      while (!value.empty() && (value.front() == ' ' || value.front() == '\t')) value.remove_prefix(1);
+      const auto key = std::string_view(line).substr(0, colon);
+      if (key == "Device Minor") gpu.minor = util::parse_integer<int>(value).value_or(-1);
+      if (key == "GPU UUID") gpu.uuid = std::string(value);
+    }
+    std::ifstream node(pci / entry.path().filename() / "numa_node");
+    std::string text;
+    if (node >> text) gpu.numa_node = util::parse_integer<int>(text).value_or(-1);
+    if (gpu.minor >= 0 || !gpu.uuid.empty()) gpus.push_back(std::move(gpu));
+  }
+  return gpus;
+}
+
+std::optional<int> numa_node_of_gpu(const std::string& id, const std::vector<GpuNumaNode>& gpus) {
+  const auto index = util::parse_integer<int>(id);
+  for (const auto& g : gpus)
+    if ((index && g.minor == *index) || (!index && !g.uuid.empty() && g.uuid == id))
+      return g.numa_node >= 0 ? std::optional(g.numa_node) : std::nullopt;
+  return std::nullopt;
 }
 
 std::optional<int> task_device(const std::optional<std::string>& cuda_visible_devices, std::optional<int> gpus_on_node,

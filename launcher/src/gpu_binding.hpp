@@ -18,7 +18,15 @@ struct GpuSet {
   std::vector<std::string> visible;  // what a worker's CUDA enumerates, in order (indices, UUIDs, MIG ids)
   std::string source;                // where the set came from, for messages ("CUDA_VISIBLE_DEVICES", ...)
   bool export_visible = false;       // the workers need CUDA_VISIBLE_DEVICES set: the environment has none
+  // Slurm's global indices of the same GPUs, in the same order, when Slurm names them
+  // (SLURM_STEP_GPUS/SLURM_JOB_GPUS beside a 0-based CUDA_VISIBLE_DEVICES of a site that
+  // constrains devices); empty: `visible` are the global ids themselves. For the GPUs' NUMA nodes.
+  std::vector<std::string> slurm_ids = {};
   std::size_t size() const { return visible.size(); }
+  // The id the driver knows GPU `index` of `visible` by (a global index or a UUID).
+  const std::string& driver_id(std::size_t index) const {
+    return slurm_ids.size() == visible.size() ? slurm_ids[index] : visible[index];
+  }
 };
 
 using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
@@ -40,6 +48,19 @@ struct WorkerDevice {
 // alone is N = 1 (with no GPU at all, CUDA_VISIBLE_DEVICES = the local rank, as torchrun). Throws
 // std::runtime_error naming the set when it has too few GPUs.
 WorkerDevice device_for_worker(const GpuSet& gpus, int local_rank, int gpus_per_worker, bool virtual_local_rank);
+
+// The NUMA node of each NVIDIA GPU as the driver and sysfs say: <proc>/<PCI bus id>/information
+// ("Device Minor: N", "GPU UUID: GPU-...") and <pci>/<PCI bus id>/numa_node (-1: unknown).
+struct GpuNumaNode {
+  int minor = -1;  // /dev/nvidia<minor>: Slurm's global index where gres.conf lists the files in order
+  std::string uuid;
+  int numa_node = -1;
+};
+std::vector<GpuNumaNode> read_gpu_numa_nodes(const std::filesystem::path& proc = "/proc/driver/nvidia/gpus",
+                                             const std::filesystem::path& pci = "/sys/bus/pci/devices");
+// The NUMA node of the GPU the driver knows by `id` (a UUID, or an index = its minor number);
+// nullopt when unknown.
+std::optional<int> numa_node_of_gpu(const std::string& id, const std::vector<GpuNumaNode>& gpus);
 
 // Per-task mode (srun --torch-env, no agent): the device a task passes to set_device
 // (ELASTRUN_DEVICE), from what Slurm gave the task. Its own share -- fewer GPUs in its

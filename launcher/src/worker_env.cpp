@@ -79,6 +79,19 @@ std::vector<std::vector<int>> read_numa_nodes(const fs::path& root) {
   return nodes;
 }
 
+std::vector<std::vector<int>> cpus_near_gpus(const GpuSet& gpus, const std::vector<GpuNumaNode>& topology,
+                                             const fs::path& numa_root) {
+  std::vector<std::vector<int>> near(gpus.size());
+  for (std::size_t i = 0; i < gpus.size(); ++i) {
+    const auto node = numa_node_of_gpu(gpus.driver_id(i), topology);
+    if (!node) continue;
+    std::ifstream in(numa_root / fmt::format("node{}", *node) / "cpulist");
+    std::string line;
+    if (std::getline(in, line)) near[i] = parse_cpu_list(line);
+  }
+  return near;
+}
+
 const std::vector<std::string>& worker_variable_names() {
   static const std::vector<std::string> names(contract::env::kReplaced.begin(), contract::env::kReplaced.end());
   return names;
@@ -167,7 +180,16 @@ std::vector<WorkerSpec> worker_specs(const AttemptContext& a, const std::vector<
       s.argv.insert(s.argv.begin() + static_cast<std::ptrdiff_t>(std::min(a.argv_program_end, s.argv.size())),
                     fmt::format("{}={}", o.local_rank_arg, local));
     s.console_prefix = console_prefix(o.log_line_prefix_template, s.global_rank, local, o.role, a.node_name);
-    if (!o.numa_binding.empty()) s.cpus = numa_cpus_for(local, o.nproc_per_node, a.numa_nodes);
+    if (!o.numa_binding.empty()) {
+      // next to the worker's (first) GPU when the topology says where it is, else the even spread
+      const int per_worker = o.gpus_per_worker >= 1 ? o.gpus_per_worker : (o.virtual_local_rank ? 1 : 0);
+      const auto gpu = a.gpus.size() == 0 ? a.gpu_cpus.size()
+                       : per_worker > 0   ? static_cast<std::size_t>(local * per_worker)
+                                          : static_cast<std::size_t>(local) % a.gpus.size();
+      s.cpus = gpu < a.gpu_cpus.size() && !a.gpu_cpus[gpu].empty()
+                   ? a.gpu_cpus[gpu]
+                   : numa_cpus_for(local, o.nproc_per_node, a.numa_nodes);
+    }
     const fs::path dir = a.attempt_dir / std::to_string(local);
     fs::create_directories(dir);
     s.error_file = (dir / "error.json").string();

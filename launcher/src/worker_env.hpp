@@ -44,6 +44,7 @@ struct AttemptContext {
   std::string socket_ifname = {};                   // NCCL/GLOO_SOCKET_IFNAME (choose_socket_interface; "" = none)
   int cpus = 0;                                     // the agent's CPUs (cpu_count), shared by its workers; 0: unknown
   GpuSet gpus = {};                                 // the step's GPUs on this node (detect_gpus; empty: none)
+  std::vector<std::vector<int>> gpu_cpus = {};      // --numa-binding: CPUs near each GPU (cpus_near_gpus)
 };
 
 // --hang-timeout: the files of local rank `local` in an attempt directory, and the signal on
@@ -63,6 +64,11 @@ std::vector<int> parse_cpu_list(std::string_view text);
 std::vector<int> numa_cpus_for(int local_rank, int nproc, const std::vector<std::vector<int>>& node_cpus);
 // The CPUs of each NUMA node under root (/sys/devices/system/node): node0/cpulist, node1/...
 std::vector<std::vector<int>> read_numa_nodes(const std::filesystem::path& root = "/sys/devices/system/node");
+// --numa-binding on a node with GPUs: for each GPU of `gpus` (by index into gpus.visible), the
+// CPUs of the NUMA node it hangs off (read_gpu_numa_nodes), empty where the topology does not say.
+// A worker is then bound next to its (first) GPU, not by the even spread of numa_cpus_for.
+std::vector<std::vector<int>> cpus_near_gpus(const GpuSet& gpus, const std::vector<GpuNumaNode>& topology,
+                                             const std::filesystem::path& numa_root = "/sys/devices/system/node");
 
 // The worker's variables (without the inherited ones); with several local workers
 // OMP_NUM_THREADS = the agent's CPUs / workers (at least 1), and the collective libraries'

@@ -135,6 +135,74 @@ TEST(WorkerEnv, NumaCpuListsAndSpread) {
   EXPECT_EQ(read_numa_nodes(sys.path()), two);
 }
 
+// A faked sysfs and driver tree: two NUMA nodes (CPUs 0-3 and 4-7), four GPUs, 0 and 1 on node
+// 1 and 2 and 3 on node 0 (the spread by local rank would get them backwards).
+struct FakedGpuTopology {
+  TempDir root;
+  fs::path proc() const { return root.path() / "proc"; }
+  fs::path pci() const { return root.path() / "pci"; }
+  fs::path nodes() const { return root.path() / "node"; }
+  FakedGpuTopology() {
+    for (int n : {0, 1}) {
+      fs::create_directories(nodes() / ("node" + std::to_string(n)));
+      std::ofstream(nodes() / ("node" + std::to_string(n)) / "cpulist") << (n == 0 ? "0-3\n" : "4-7\n");
+    }
+    const char* bus[] = {"0000:3b:00.0", "0000:5e:00.0", "0000:86:00.0", "0000:af:00.0"};
+    for (int minor = 0; minor < 4; ++minor) {
+      fs::create_directories(proc() / bus[minor]);
+      fs::create_directories(pci() / bus[minor]);
+      std::ofstream(proc() / bus[minor] / "information")
+          << "Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 0\nGPU UUID: \t GPU-uuid-" << minor
+          << "\nVideo BIOS: \t ??.??.??.??.??\nBus Type: \t PCIe\nDevice Minor: \t " << minor << "\n";
+      std::ofstream(pci() / bus[minor] / "numa_node") << (minor < 2 ? 1 : 0) << "\n";
+    }
+  }
+};
+
+TEST(WorkerEnv, NumaBindingPutsEachWorkerNextToItsGpu) {
+  FakedGpuTopology topo;
+  const auto gpus_topo = read_gpu_numa_nodes(topo.proc(), topo.pci());
+  ASSERT_EQ(gpus_topo.size(), 4u);
+  EXPECT_EQ(numa_node_of_gpu("0", gpus_topo), 1);
+  EXPECT_EQ(numa_node_of_gpu("GPU-uuid-3", gpus_topo), 0);
+  EXPECT_FALSE(numa_node_of_gpu("7", gpus_topo));
+  TempDir dir;
+  AgentOptions o;
+  o.nproc_per_node = 4;
+  o.numa_binding = "node";
+  const auto round = second_node_of_three();
+  auto a = attempt_in(o, round, dir.path());
+  a.numa_nodes = read_numa_nodes(topo.nodes());
+  // unconstrained: global indices in CUDA_VISIBLE_DEVICES
+  a.gpus = detect_gpus(
+      [](const std::string& n) -> std::optional<std::string> {
+        if (n == "CUDA_VISIBLE_DEVICES") return "0,1,2,3";
+        return std::nullopt;
+      },
+      4);
+  a.gpu_cpus = cpus_near_gpus(a.gpus, gpus_topo, topo.nodes());
+  const auto specs = worker_specs(a, {});
+  const std::vector<int> node0{0, 1, 2, 3}, node1{4, 5, 6, 7};
+  EXPECT_EQ(specs[0].cpus, node1);
+  EXPECT_EQ(specs[1].cpus, node1);
+  EXPECT_EQ(specs[2].cpus, node0);
+  EXPECT_EQ(specs[3].cpus, node0);
+  // a site that constrains devices: CUDA_VISIBLE_DEVICES 0-based, Slurm's global ids beside it
+  auto constrained = detect_gpus(
+      [](const std::string& n) -> std::optional<std::string> {
+        if (n == "CUDA_VISIBLE_DEVICES") return "0,1";
+        if (n == "SLURM_STEP_GPUS") return "2,0";
+        return std::nullopt;
+      },
+      4);
+  const auto near = cpus_near_gpus(constrained, gpus_topo, topo.nodes());
+  EXPECT_EQ(near, (std::vector<std::vector<int>>{node0, node1}));
+  // no topology (no NVIDIA driver): the even spread
+  a.gpu_cpus = cpus_near_gpus(a.gpus, {}, topo.nodes());
+  EXPECT_EQ(worker_specs(a, {})[0].cpus, node0);
+  EXPECT_EQ(worker_specs(a, {})[3].cpus, node1);
+}
+
 TEST(WorkerEnv, TorchVariablesForEachLocalRank) {
   TempDir dir;
   AgentOptions o;
