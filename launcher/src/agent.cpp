@@ -116,7 +116,8 @@ int Agent::run() {
           spdlog::info("--numa-binding: a worker on GPU {} runs on CPUs {} (its NUMA node)", gpus_.visible[i],
                        fmt::join(gpu_cpus_[i], ","));
     }
-    cpus_ = cpu_count();
+    const char* per_task = std::getenv("SLURM_CPUS_PER_TASK");
+    cpus_ = cpus_for_workers(cpu_count(), per_task ? std::optional<std::string>(per_task) : std::nullopt);
     if (o_.nproc_per_node > 1 && !std::getenv("OMP_NUM_THREADS"))
       spdlog::info("workers' OMP_NUM_THREADS: {} ({} CPU(s) here for {} workers; set it to choose)",
                    omp_threads_per_worker(cpus_, o_.nproc_per_node), cpus_, o_.nproc_per_node);

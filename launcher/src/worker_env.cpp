@@ -108,6 +108,11 @@ std::vector<std::string> inherited_environment(char** entries) {
   return kept;
 }
 
+int cpus_for_workers(int affinity_cpus, const std::optional<std::string>& slurm_cpus_per_task) {
+  const auto allocated = slurm_cpus_per_task ? util::parse_integer<int>(*slurm_cpus_per_task) : std::nullopt;
+  return allocated && *allocated > 0 ? std::min(affinity_cpus, *allocated) : affinity_cpus;
+}
+
 int omp_threads_per_worker(int cpus, int nproc) { return nproc < 1 || cpus < 1 ? 1 : std::max(1, cpus / nproc); }
 
 std::vector<std::string> worker_variables(const AttemptContext& a, int local, const std::string& error_file,

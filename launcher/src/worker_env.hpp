@@ -75,6 +75,9 @@ std::vector<std::vector<int>> cpus_near_gpus(const GpuSet& gpus, const std::vect
 // defaults (collective_env.hpp), each unless `inherited` sets it.
 // OMP_NUM_THREADS for each of `nproc` workers sharing `cpus` CPUs (0: unknown): torchrun's 1
 // unless the CPUs are known, then an equal share, at least 1.
+// The CPUs the agent's workers share: its affinity mask, or fewer when Slurm allocated fewer
+// (SLURM_CPUS_PER_TASK: without a task affinity plugin the mask is the whole node's).
+int cpus_for_workers(int affinity_cpus, const std::optional<std::string>& slurm_cpus_per_task);
 int omp_threads_per_worker(int cpus, int nproc);
 
 std::vector<std::string> worker_variables(const AttemptContext& attempt, int local_rank, const std::string& error_file,

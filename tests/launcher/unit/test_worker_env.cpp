@@ -287,6 +287,10 @@ TEST(WorkerEnv, ThreadsAreTheAgentsCpusSharedAmongItsWorkers) {
   EXPECT_EQ(omp_threads_per_worker(18, 4), 4) << "an equal share, rounded down";
   EXPECT_EQ(omp_threads_per_worker(2, 3), 1) << "at least one";
   EXPECT_EQ(omp_threads_per_worker(0, 4), 1) << "unknown: torchrun's 1";
+  EXPECT_EQ(cpus_for_workers(64, "16"), 16) << "srun --cpus-per-task=16 without task affinity: the mask is the node's";
+  EXPECT_EQ(cpus_for_workers(8, "16"), 8) << "a narrower mask wins";
+  EXPECT_EQ(cpus_for_workers(8, std::nullopt), 8);
+  EXPECT_EQ(cpus_for_workers(8, "x"), 8);
   TempDir dir;
   AgentOptions o;
   o.nproc_per_node = 4;
