@@ -440,6 +440,7 @@ class Trainer {
   // loss = sum of squared errors / B, gradients all-reduced with SUM together with the loss and
   // the control flags (one all-reduce per step; every rank takes the same decision).
   double train_step(std::uint64_t step) {
+    const auto compute_start = Clock::now();  // this rank's compute: everything before the all-reduce
     const auto [offset, count] = share_of(args_.global_batch, world_, rank_);
     auto [x, y] = make_samples(args_.seed, next_sample_ + offset, static_cast<std::int64_t>(count));
     model_->zero_grad();
@@ -456,6 +457,8 @@ class Trainer {
       }
     }
     if (args_.step_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(args_.step_ms));
+    if (slow_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(slow_ms_));
+    const double compute_s = seconds_since(compute_start);
 
     const Agreed local = poll_control();
     auto tail = tail_.accessor<float, 1>();
@@ -471,7 +474,8 @@ class Trainer {
     const double global_loss = tail[0];
     optimizer_step(step + 1);
     next_sample_ += args_.global_batch;
-    control::progress(static_cast<std::int64_t>(step + 1));  // elastrun --hang-timeout: this rank completed a step
+    // elastrun --hang-timeout: this rank completed a step; --straggler-action: its compute time
+    control::progress(static_cast<std::int64_t>(step + 1), compute_s);
     return global_loss;
   }
 
@@ -839,6 +843,14 @@ class Trainer {
   Args args_;
   int rank_ = 0, world_ = 1;
   std::string node_ = node_name();
+  // Tests only (straggler detection): ELASTRUN_TRAIN_SLOW_NODE=NODE:MS makes every rank on NODE
+  // compute MS longer each step (a slow node; the result does not change).
+  int slow_ms_ = [this] {
+    const std::string spec = env_or("ELASTRUN_TRAIN_SLOW_NODE", "");
+    const auto colon = spec.rfind(':');
+    if (colon == std::string::npos || spec.substr(0, colon) != node_) return 0;
+    return std::max(0, std::atoi(spec.c_str() + colon + 1));
+  }();
   c10::intrusive_ptr<c10d::TCPStore> store_;
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   std::unique_ptr<elastrun::ckpt::Communicator> comm_;

@@ -251,14 +251,15 @@ class Trainer:
         for x, y in loader:
             self.maybe_fail()
             self.optim.zero_grad()
-            loss = (self.ddp(x) - y).pow(2).sum() * (self.world / args.global_batch)
-            loss.backward()
+            with control.compute():  # what precedes the step's collectives: the agent finds stragglers by it
+                loss = (self.ddp(x) - y).pow(2).sum() * (self.world / args.global_batch)
+            loss.backward()  # DDP's gradient all-reduce: it waits for the slowest rank, not compute
             self.optim.step()
             self.sched.step()
             self.step += 1
             self.next_sample += args.global_batch
             loss_value = loss.item()  # this rank's share; the log shows rank 0's
-            control.progress(self.step)  # elastrun --hang-timeout: this rank completed a step
+            control.progress(self.step)  # --hang-timeout: this rank completed a step (with compute()'s time)
             if args.step_ms:
                 time.sleep(args.step_ms / 1000)
             if self.rank == 0:

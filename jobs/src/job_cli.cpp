@@ -373,6 +373,11 @@ json status_json(const Job& job, const StatusView& v) {
   json lost = json::array();
   for (const auto& l : s.lost) lost.push_back({{"time", l.time}, {"node", l.node}, {"how", l.how}});
   j["nodes_lost"] = lost;
+  for (const auto& [key, flagged] : {std::pair{"stragglers", &s.stragglers}, std::pair{"unhealthy", &s.unhealthy}}) {
+    json list = json::array();
+    for (const auto& f : *flagged) list.push_back({{"time", f.time}, {"node", f.node}, {"what", f.what}});
+    j[key] = list;
+  }
   if (s.checkpoint)
     j["checkpoint"] = {{"step", s.checkpoint->step},
                        {"tier", s.checkpoint->tier},
@@ -403,6 +408,10 @@ void print_status(const Job& job, const StatusView& v) {
   for (const auto& l : s.lost)
     fmt::print("  {:<13}{} at {}{}\n", "node lost", l.node, utc_text(l.time, "%H:%M:%S"),
                l.how.empty() ? "" : " (" + l.how + ")");
+  for (const auto& f : s.unhealthy)
+    fmt::print("  {:<13}{} at {} (health check {})\n", "node left", f.node, utc_text(f.time, "%H:%M:%S"), f.what);
+  for (const auto& f : s.stragglers)
+    fmt::print("  {:<13}{} at {}: {}\n", "straggler", f.node, utc_text(f.time, "%H:%M:%S"), f.what);
   fmt::print("  {:<13}{}{} (job-wide), requeues {}\n", "restarts", s.restarts,
              s.max_restarts >= 0 ? fmt::format(" of {}", s.max_restarts) : "",
              std::max<long>(s.requeues, job.slurm ? job.slurm->restart_count : 0));

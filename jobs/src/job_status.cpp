@@ -4,6 +4,8 @@
 #include <map>
 #include <set>
 
+#include <fmt/format.h>
+
 namespace elastrun::jobs {
 
 namespace {
@@ -98,6 +100,20 @@ JobSummary summarise(std::vector<nlohmann::json> events) {
       s.lost.push_back({t, node, kind == "store_lost" ? "with the rendezvous store" : text_of(e, "how")});
       if (s.root_cause.empty()) s.root_cause = "node " + node + " lost";
       if (outage_from < 0) outage_from = t;
+    } else if (kind == "straggler") {
+      const std::string node = text_of(e, "member");
+      if (node.empty() ||
+          std::any_of(s.stragglers.begin(), s.stragglers.end(), [&](auto& f) { return f.node == node; }))
+        continue;
+      s.stragglers.push_back({t, node,
+                              fmt::format("{:.2f}x the median node's compute time (rank {}; {})", real_of(e, "ratio"),
+                                          long_of(e, "member_rank", -1), text_of(e, "action"))});
+    } else if (kind == "health_check") {
+      auto ok = e.find("ok");
+      if (ok == e.end() || !ok->is_boolean() || ok->get<bool>()) continue;
+      const std::string node = text_of(e, "node");
+      if (std::any_of(s.unhealthy.begin(), s.unhealthy.end(), [&](auto& f) { return f.node == node; })) continue;
+      s.unhealthy.push_back({t, node, text_of(e, "check") + ": " + text_of(e, "what")});
     } else if (kind == "worker_exit") {
       // a worker killed by a signal has exit_code 0 and the signal's name; 85: checkpointed
       const long code = long_of(e, "exit_code", 0);

@@ -36,6 +36,13 @@ struct NodeLost {
   std::string node, how;
 };
 
+// A node another verdict than loss took out or flagged: a straggler (group rank 0's `straggler`
+// event) or a failed health check (the node's own `health_check` event with ok false).
+struct NodeFlagged {
+  double time = 0;
+  std::string node, what;
+};
+
 struct CheckpointSeen {
   long step = 0;
   std::string tier;  // "file" or "memory"
@@ -44,14 +51,16 @@ struct CheckpointSeen {
 };
 
 struct JobSummary {
-  std::vector<RoundSeen> rounds;      // one per generation, in order
-  std::vector<NodeLost> lost;         // one per node, first seen
-  int restarts = 0;                   // the job-wide restart count of the newest round
-  int max_restarts = -1;              // the budget, when an agent decided a failure
-  int requeues = 0;                   // successful requeue events
-  std::optional<long> step;           // the newest training step (worker `step` events)
-  double step_time = 0;               // when it was written
-  std::optional<double> steps_per_s;  // over the newest round's steps
+  std::vector<RoundSeen> rounds;        // one per generation, in order
+  std::vector<NodeLost> lost;           // one per node, first seen
+  std::vector<NodeFlagged> stragglers;  // one per node, first named
+  std::vector<NodeFlagged> unhealthy;   // one per node: its failed health check
+  int restarts = 0;                     // the job-wide restart count of the newest round
+  int max_restarts = -1;                // the budget, when an agent decided a failure
+  int requeues = 0;                     // successful requeue events
+  std::optional<long> step;             // the newest training step (worker `step` events)
+  double step_time = 0;                 // when it was written
+  std::optional<double> steps_per_s;    // over the newest round's steps
   std::optional<CheckpointSeen> checkpoint;
   double time_lost_s = 0;  // failures: each from its first sign to the next step (or start)
   std::string root_cause;  // the first failure: a lost node or a worker's exit

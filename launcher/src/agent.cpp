@@ -66,8 +66,10 @@ int Agent::run() {
     tmp_.emplace();
     attempt_base_ = tmp_->path();
   } else {
-    attempt_base_ = log_dir_per_node_ ? fs::path(o_.log_dir) / plan_.me.node_name / plan_.run_id
-                                      : fs::path(o_.log_dir) / plan_.run_id;
+    // a directory per node when several nodes may share the log dir (a shared filesystem: their
+    // attempt directories would be the same files; torchrun adds a random suffix per agent)
+    attempt_base_ = log_dir_per_node_ || max_nodes_ > 1 ? fs::path(o_.log_dir) / plan_.me.node_name / plan_.run_id
+                                                        : fs::path(o_.log_dir) / plan_.run_id;
   }
   for (const auto& key : o_.ignored_rdzv_conf) spdlog::info("--rdzv-conf {}: accepted, no effect here", key);
   for (const auto& key : o_.unknown_rdzv_conf)
@@ -150,7 +152,7 @@ int Agent::run() {
   events().emit(contract::event::kExit, {{"code", rc_}});
   const auto& last = rdzv_->current();
   const bool led_last_round = last.group_world_size > 0 && last.group_rank == 0;
-  if (led_last_round) report_unhealthy_nodes();
+  if (led_last_round) report_node_verdicts();
   remove_checkpoint_dir_marker(health_marker_, rdzv_.get(), plan_.me.node_name);
   std::vector<std::string> last_members;
   if (led_last_round)
@@ -168,6 +170,7 @@ Transition Agent::rendezvous() {
     spdlog::info("stopped by {}; exiting {}", signal_name(sig), 128 + sig);
     return exit_with(128 + sig);
   }
+  if (auto excluded = leave_if_excluded()) return exit_with(*excluded);
   if (auto unhealthy = check_node_health()) return exit_with(*unhealthy);
   log_state("RENDEZVOUS", fmt::format("run '{}' nodes {}:{}", plan_.run_id, min_nodes_, max_nodes_));
   set_fence(std::nullopt);  // between rounds nothing commits
@@ -268,6 +271,7 @@ Transition Agent::start_workers() {
       .gpu_cpus = gpu_cpus_};
   attempt_dir_ = attempt_dir;
   killed_by_us_.clear();
+  start_straggler_watch();
   auto specs = worker_specs(attempt, inherited_environment(environ));
   error_files_.clear();
   for (const auto& spec : specs) error_files_.push_back(spec.error_file);
@@ -326,6 +330,7 @@ Transition Agent::monitor() {
     if (group_->all_exited()) return states::Succeeded{};
     if (auto stop = stop_requested_elsewhere()) return states::CheckpointStop{std::move(*stop), std::move(seen)};
     watch_for_hangs();
+    watch_stragglers();
     if (const Change change = wait_for_change(o_.monitor_interval); change != Change::None)
       return states::MembershipChanged{change};
   }

@@ -49,6 +49,7 @@
 #include "options.hpp"
 #include "restart_policy.hpp"
 #include "signals.hpp"
+#include "straggler_watch.hpp"
 #include "workers.hpp"
 
 namespace elastrun::launcher {
@@ -152,14 +153,18 @@ class Agent {
   void record_losses(const FailedObservation& seen, const std::vector<WorkerExit>& failures);
   void write_outcome(JobOutcome outcome, int exit_code);  // --outcome-file, group rank 0
 
-  // ---- the node's health checks (agent_health.cpp) ----
+  // ---- the node's health: checks before it joins, stragglers while it trains (agent_health.cpp) ----
   // Runs --health-check when due (first join, after a failure of this node's workers); the exit
   // code when the node failed one and leaves the job, nullopt when it may join.
   std::optional<int> check_node_health();
-  void leave_unhealthy(const std::string& reason);  // a failed check: recorded, published, store kept
-  void refresh_unhealthy_nodes();                   // each round: the nodes marked by their own checks
-  std::vector<std::string> unhealthy_nodes();       // ... as last read (any thread: excluded on requeue)
-  void report_unhealthy_nodes();                    // group rank 0 at the end: who did not take part
+  // --straggler-action=exclude: group rank 0 named this node a straggler; the exit code then.
+  std::optional<int> leave_if_excluded();
+  void leave_job(const std::string& reason);   // recorded, published (excluded on requeue), store kept
+  void refresh_unhealthy_nodes();              // each round: the nodes that left the job this way
+  std::vector<std::string> unhealthy_nodes();  // ... as last read (any thread: excluded on requeue)
+  void report_node_verdicts();                 // group rank 0 at the end: who left, who was slow
+  void start_straggler_watch();                // START_WORKERS: fresh windows (and scores on group rank 0)
+  void watch_stragglers();                     // MONITOR, every tick (straggler_watch.hpp)
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
   static StopRequest stop_for_signal(int sig, std::string_view detail = {});  // Slurm's warning, preemption
@@ -231,6 +236,12 @@ class Agent {
   bool health_due_ = true;
   bool health_checked_once_ = false;
   std::filesystem::path health_marker_;  // this node's marker in the checkpoint directory (removed at the end)
+  // stragglers (straggler_watch.hpp): this attempt's windows per local rank, the last published
+  std::vector<ComputeWindows> compute_windows_;
+  std::vector<std::optional<ComputeWindows::Window>> rank_windows_;
+  long published_window_ = -1;
+  std::optional<StragglerScore> straggler_score_;  // group rank 0, this round
+  Clock::time_point next_straggler_score_{};
   std::mutex unhealthy_mutex_;
   std::vector<std::string> unhealthy_;  // refresh_unhealthy_nodes()
   bool health_checks_on() const { return o_.health_check_builtin || !o_.health_check_commands.empty(); }

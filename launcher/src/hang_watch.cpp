@@ -111,13 +111,23 @@ std::optional<long> parse_progress_record(std::string_view record) {
   return step;
 }
 
-std::optional<long> read_progress_step(const std::string& path) {
+std::optional<ProgressReading> read_progress(const std::string& path) {
   util::UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (!fd) return std::nullopt;
-  char record[contract::kProgressRecordSize];
-  const auto n = ::pread(fd.get(), record, sizeof record, 0);
+  char records[contract::kComputeRecordOffset + contract::kComputeRecordSize];
+  const auto n = ::pread(fd.get(), records, sizeof records, 0);
   if (n <= 0) return std::nullopt;
-  return parse_progress_record(std::string_view(record, static_cast<std::size_t>(n)));
+  const std::string_view text(records, static_cast<std::size_t>(n));
+  const auto step = parse_progress_record(text.substr(0, contract::kProgressRecordSize));
+  if (!step) return std::nullopt;
+  ProgressReading r{*step, std::nullopt};
+  if (text.size() == sizeof records) r.compute_us = parse_progress_record(text.substr(contract::kComputeRecordOffset));
+  return r;
+}
+
+std::optional<long> read_progress_step(const std::string& path) {
+  const auto r = read_progress(path);
+  return r ? std::optional(r->step) : std::nullopt;
 }
 
 bool is_hung(std::optional<double> last_progress, double now, double timeout_seconds) {

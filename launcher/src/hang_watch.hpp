@@ -77,6 +77,13 @@ bool is_hung(std::optional<double> last_progress, double now, double timeout_sec
 // The step a worker last reported with progress(step) (the record of the worker contract,
 // contract::kProgressRecordFormat); nullopt when it reported none or the file is unreadable.
 std::optional<long> read_progress_step(const std::string& path);
+// The same with the compute record that follows it when the worker reports compute times
+// (progress(step, compute_s); contract::kComputeRecordFormat): its compute time so far, in us.
+struct ProgressReading {
+  long step = -1;
+  std::optional<long> compute_us;
+};
+std::optional<ProgressReading> read_progress(const std::string& path);
 // Parses one progress record; nullopt unless it holds a step >= 0.
 std::optional<long> parse_progress_record(std::string_view record);
 

@@ -75,6 +75,10 @@ void MetricsState::apply(const nlohmann::json& e) {
     generation = int_of(e, "generation").value_or(generation);
     world_size = static_cast<int>(int_of(e, "world_size").value_or(world_size));
     restarts = int_of(e, "restart_count").value_or(restarts);
+  } else if (kind == "straggler") {
+    if (const auto member = text_of(e, "member"); !member.empty()) stragglers[member] = real_of(e, "ratio");
+  } else if (kind == "health_check") {
+    if (e.contains("ok") && e["ok"].is_boolean() && !e["ok"].get<bool>()) ++health_check_failures;
   } else if (kind == "member_lost" || kind == "store_lost") {
     ++node_losses;
   } else if (kind == "failure_decision") {
@@ -136,6 +140,14 @@ std::string render_metrics(const MetricsState& s, const MetricsLabels& l, double
       {"elastrun_checkpoint_age_seconds", "gauge", "Seconds since the newest checkpoint, per tier.", {}},
       {"elastrun_checkpoint_blocked_seconds", "gauge", "Seconds training was blocked by the newest checkpoint.", {}},
       {"elastrun_checkpoint_durable_seconds", "gauge", "Seconds until the newest checkpoint was durable.", {}},
+      {"elastrun_straggler_ratio",
+       "gauge",
+       "A straggler group rank 0 named (--straggler-action): its compute time / the median node's.",
+       {}},
+      {"elastrun_health_check_failures_total",
+       "counter",
+       "This node's failed --health-check runs (it left the job).",
+       {{"", static_cast<double>(s.health_check_failures)}}},
   };
   const auto add = [&](std::string_view name, std::string extra, double value) {
     for (auto& f : families)
@@ -148,6 +160,8 @@ std::string render_metrics(const MetricsState& s, const MetricsLabels& l, double
     add("elastrun_last_progress_timestamp_seconds", "", s.progress_time);
     add("elastrun_seconds_since_progress", "", std::max(0.0, now - s.progress_time));
   }
+  for (const auto& [member, ratio] : s.stragglers)
+    add("elastrun_straggler_ratio", fmt::format(",member=\"{}\"", label_value(member)), ratio);
   for (const auto& [tier, c] : s.checkpoints) {
     const std::string tl = fmt::format(",tier=\"{}\"", label_value(tier));
     add("elastrun_checkpoint_step", tl, static_cast<double>(c.step));

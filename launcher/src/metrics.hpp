@@ -37,6 +37,8 @@ struct MetricsState {
     double time = 0, blocked_s = 0, durable_s = 0;
   };
   std::map<std::string, Checkpoint> checkpoints;  // by tier: file, memory
+  std::map<std::string, double> stragglers;       // group rank 0's straggler events: member -> ratio
+  std::int64_t health_check_failures = 0;         // this node's failed --health-check runs
 
   void apply(const nlohmann::json& event);
 };

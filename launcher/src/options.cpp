@@ -364,7 +364,7 @@ struct RawFlags {
   std::string het_nnodes;
   std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300", redirects = "0",
                       tee = "0", ranks_filter, node_rank, master_port, hang_timeout, memory_checkpoints,
-                      partition_timeout, health_check_timeout = "60";
+                      partition_timeout, health_check_timeout = "60", straggler_threshold = "1.5";
   std::vector<std::string> health_checks;
   // torchrun 2.x flags
   std::string shutdown_timeout, logs_specs, event_log_handler, signals_to_handle, dup_stdout, dup_stderr,
@@ -482,6 +482,15 @@ void declare_flags(CLI::App& app, RawFlags& raw, AgentOptions& o) {
       ->allow_extra_args(false);  // one value per flag: the program that follows is not a second check
   app.add_option("--health-check-timeout,--health_check_timeout", raw.health_check_timeout,
                  "seconds a --health-check command may run before it fails the node (default 60)");
+  app.add_option("--straggler-action,--straggler_action", o.straggler_action,
+                 "report|exclude|off: a node whose workers' compute time (progress(step, compute_s)) stays above "
+                 "--straggler-threshold x the median node's is reported (event straggler), or excluded like a "
+                 "failed node (default report)");
+  app.add_option("--straggler-threshold,--straggler_threshold", raw.straggler_threshold,
+                 "a node's compute time / the median node's above which it is slow (default 1.5)");
+  app.add_option("--straggler-window,--straggler_window", o.straggler_window, "steps per scored window (default 20)");
+  app.add_option("--straggler-windows,--straggler_windows", o.straggler_windows,
+                 "scored windows in a row above the threshold that make a straggler (default 3)");
   app.add_flag(
       "--use-env,--use_env", raw.use_env,
       "torch.distributed.launch: the local rank only in LOCAL_RANK (elastrun's default; cancels --local-rank-arg)");
@@ -547,6 +556,21 @@ void convert_values(const CLI::App& app, const RawFlags& raw, AgentOptions& o) {
       o.health_check_commands.push_back(check);
   }
   o.health_check_timeout = seconds_option("--health-check-timeout", raw.health_check_timeout);
+  if (o.straggler_action != "report" && o.straggler_action != "exclude" && o.straggler_action != "off")
+    throw UsageError(
+        fmt::format("--straggler-action='{}' is not one of report, exclude, off", util::printable(o.straggler_action)));
+  {
+    char* end = nullptr;
+    o.straggler_threshold = std::strtod(raw.straggler_threshold.c_str(), &end);
+    if (raw.straggler_threshold.empty() || end != raw.straggler_threshold.c_str() + raw.straggler_threshold.size() ||
+        !std::isfinite(o.straggler_threshold) || o.straggler_threshold <= 1.0)
+      throw UsageError(fmt::format("--straggler-threshold='{}' must be a ratio above 1 (e.g. 1.5)",
+                                   util::printable(raw.straggler_threshold)));
+  }
+  if (o.straggler_window < 1)
+    throw UsageError(fmt::format("--straggler-window={} must be 1 or more", o.straggler_window));
+  if (o.straggler_windows < 1)
+    throw UsageError(fmt::format("--straggler-windows={} must be 1 or more", o.straggler_windows));
   if (o.health_check_timeout.count() <= 0)
     throw UsageError(fmt::format("--health-check-timeout={} must be more than 0", raw.health_check_timeout));
   if (!raw.memory_checkpoints.empty()) o.memory_checkpoints = memory_budget(raw.memory_checkpoints);

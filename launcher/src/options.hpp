@@ -95,6 +95,11 @@ struct AgentOptions {
   bool health_check_builtin = false;
   std::vector<std::string> health_check_commands;
   Millis health_check_timeout{60'000};
+  // --straggler-* (straggler_watch.hpp): report (default), exclude or off; threshold, W, K
+  std::string straggler_action = "report";
+  double straggler_threshold = 1.5;
+  int straggler_window = 20;
+  int straggler_windows = 3;
   // --memory-checkpoints[=BYTES]: the node's budget for the memory checkpoint tier (none = off)
   std::optional<std::uint64_t> memory_checkpoints;
   // --preload=MODULES: Python workers forked by a per-node preloader that imported them ("" = off)

@@ -154,8 +154,10 @@ std::vector<std::string> worker_variables(const AttemptContext& a, int local, co
         return kv.starts_with(fmt::format("{}=", env_name::kTimerFile));
       }))
     set(env_name::kTimerFile, a.timer_file);
-  if (o.hang_timeout.count() > 0) {
+  // the progress file: read by the hang watch (--hang-timeout) and the straggler watch
+  if (o.hang_timeout.count() > 0 || o.straggler_action != "off")
     set(env_name::kProgressFile, progress_file(a.attempt_dir, local).string());
+  if (o.hang_timeout.count() > 0) {
     set(env_name::kStacksFile, python_stacks_file(a.attempt_dir, local).string());
     set(env_name::kStacksSignal, python_stacks_signal());
   }  // the watchdog finds the workers' descendants by it

@@ -7,6 +7,9 @@ PARTITIONED_EXIT_CODE = 86
 UNHEALTHY_EXIT_CODE = 87
 PROGRESS_RECORD_FORMAT = '%23ld\n'
 PROGRESS_RECORD_SIZE = 24
+COMPUTE_RECORD_FORMAT = '%23ld\n'
+COMPUTE_RECORD_SIZE = 24
+COMPUTE_RECORD_OFFSET = 24
 CONTROL_SEEN_SUFFIX = '.seen'
 # control-channel requests, by level
 CONTROL_REQUESTS = ('none', 'checkpoint', 'checkpoint-and-stop',)
@@ -55,6 +58,7 @@ EVENT_MEMBER_LOST = 'member_lost'
 EVENT_STORE_LOST = 'store_lost'
 EVENT_PARTITIONED = 'partitioned'
 EVENT_HEALTH_CHECK = 'health_check'
+EVENT_STRAGGLER = 'straggler'
 EVENT_WORKERS_STARTED = 'workers_started'
 EVENT_WORKER_EXIT = 'worker_exit'
 EVENT_FAILURE_DECISION = 'failure_decision'
@@ -70,7 +74,7 @@ EVENT_STEP = 'step'
 EVENT_CHECKPOINT_SAVED = 'checkpoint_saved'
 EVENT_CHECKPOINT_FAILED = 'checkpoint_failed'
 EVENT_TRAIN_DONE = 'train_done'
-AGENT_EVENTS = ('state', 'round', 'member_lost', 'store_lost', 'partitioned', 'health_check', 'workers_started', 'worker_exit', 'failure_decision', 'hang', 'timer_expired', 'checkpoint_request', 'checkpoint_outcome', 'requeue', 'job_completed', 'exit',)
+AGENT_EVENTS = ('state', 'round', 'member_lost', 'store_lost', 'partitioned', 'health_check', 'straggler', 'workers_started', 'worker_exit', 'failure_decision', 'hang', 'timer_expired', 'checkpoint_request', 'checkpoint_outcome', 'requeue', 'job_completed', 'exit',)
 WORKER_EVENTS = ('resumed', 'step', 'checkpoint_saved', 'checkpoint_failed', 'train_done',)
 
 # the node endpoint's requests ("op")

@@ -17,9 +17,12 @@ poll() costs one os.stat() while nothing changed, so it can run every step.
 Standard library only (torch is used by poll_all() only if it is already initialised).
 """
 
+import contextlib
+import math
 import os
 import signal
 import sys
+import time
 from typing import Any, Optional
 
 from elastrun import _contract as _c
@@ -179,20 +182,58 @@ def checkpoint_dir() -> str:
 
 _progress_fd = None
 _stacks_file = None
+_compute_us = 0          # the compute record: this worker's compute time so far, in microseconds
+_pending_compute_s = None  # timed by compute() since the last progress(step)
 
 
-def progress(step: Optional[int] = None) -> None:
+@contextlib.contextmanager
+def compute(synchronize: bool = True):
+    """Times this step's compute, reported with the next progress(step): the one line a training
+    loop needs for the agent's straggler detection (elastrun --straggler-action)::
+
+        with elastrun.control.compute():
+            loss = model(batch)          # what runs before the step's collectives
+        loss.backward()                  # DDP's gradient all-reduce: not compute, it waits for the others
+        optimizer.step()
+        elastrun.control.progress(step)
+
+    In synchronous training every rank's step lasts as long as the slowest's; compute times are
+    what differ between a slow node and the others. Time what precedes the step's first
+    collective (forward and loss; without DDP, also the backward before the all-reduce). With
+    CUDA, the end of the block waits for this device's queued kernels (synchronize=True), else only
+    their launch would be timed. Several blocks in one step add up.
+    """
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if synchronize:
+            cuda = getattr(sys.modules.get("torch"), "cuda", None)  # never imports torch itself
+            if cuda is not None and cuda.is_available() and cuda.is_initialized():
+                cuda.synchronize()
+        global _pending_compute_s
+        _pending_compute_s = (_pending_compute_s or 0.0) + time.perf_counter() - t0
+
+
+def progress(step: Optional[int] = None, compute_s: Optional[float] = None) -> None:
     """Tells the agent this worker made progress (elastrun --hang-timeout): call it once per step,
     with the step number.
 
     Writes the worker contract's fixed-size record (the same as C++ elastrun::control::progress)
     at the start of $ELASTRUN_PROGRESS_FILE: the agent reads the step from it, and the file's
     modification time is the time of the last progress. Without a step only the time changes.
-    Nothing when the agent does not watch. The first call also lets the agent dump this process's
-    Python stacks should it hang: faulthandler writes them to $ELASTRUN_STACKS_FILE on the signal
-    $ELASTRUN_STACKS_SIGNAL (the C++ side has no Python stacks to dump).
+    With the step's compute time (`compute_s`, or what compute() timed since the last call) the
+    compute record follows in the same write: the sum so far in microseconds, which the agent
+    compares across nodes to find stragglers. Nothing when the agent does not watch. The first call
+    also lets the agent dump this process's Python stacks should it hang: faulthandler writes them
+    to $ELASTRUN_STACKS_FILE on the signal $ELASTRUN_STACKS_SIGNAL (the C++ side has no Python
+    stacks to dump).
     """
-    global _progress_fd, _stacks_file
+    global _progress_fd, _stacks_file, _compute_us, _pending_compute_s
+    if step is not None and compute_s is None and _pending_compute_s is not None:
+        compute_s = _pending_compute_s
+    if step is not None:
+        _pending_compute_s = None
     if _progress_fd is None:
         path = os.environ.get(_c.ENV_PROGRESS_FILE)
         if not path:
@@ -205,5 +246,9 @@ def progress(step: Optional[int] = None) -> None:
                                   file=_stacks_file, all_threads=True)
     if step is None:
         os.utime(_progress_fd)
-    else:
+    elif compute_s is None:
         os.pwrite(_progress_fd, (_c.PROGRESS_RECORD_FORMAT % int(step)).encode(), 0)
+    else:
+        _compute_us += math.floor(float(compute_s) * 1e6 + 0.5)
+        record = (_c.PROGRESS_RECORD_FORMAT % int(step)).ljust(_c.COMPUTE_RECORD_OFFSET)
+        os.pwrite(_progress_fd, (record + _c.COMPUTE_RECORD_FORMAT % _compute_us).encode(), 0)

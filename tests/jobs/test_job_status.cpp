@@ -88,6 +88,22 @@ TEST(JobSummary, RoundsLossesStepsCheckpointsAndTimeLost) {
   EXPECT_EQ(s.requeues, 1);
 }
 
+TEST(JobSummary, StragglersAndNodesThatFailedTheirHealthCheckAreNamed) {
+  const auto s = summarise({
+      ev(9, "n3", "health_check", {{"ok", false}, {"check", "command"}, {"what", "'gpu-ok' exited 1: GPU 2 ECC"}}),
+      ev(9.5, "n2", "health_check", {{"ok", true}}),
+      ev(10, "n1", "round", {{"generation", 1}, {"world_size", 6}, {"restart_count", 0}}),
+      ev(20, "n1", "straggler", {{"member", "n4"}, {"member_rank", 5}, {"ratio", 2.345}, {"action", "report"}}),
+      ev(30, "n1", "straggler", {{"member", "n4"}, {"member_rank", 5}, {"ratio", 3.0}, {"action", "report"}}),
+  });
+  ASSERT_EQ(s.unhealthy.size(), 1u);
+  EXPECT_EQ(s.unhealthy[0].node, "n3");
+  EXPECT_EQ(s.unhealthy[0].what, "command: 'gpu-ok' exited 1: GPU 2 ECC");
+  ASSERT_EQ(s.stragglers.size(), 1u) << "one per node";
+  EXPECT_EQ(s.stragglers[0].node, "n4");
+  EXPECT_EQ(s.stragglers[0].what, "2.35x the median node's compute time (rank 5; report)");
+}
+
 TEST(JobSummary, AWorkerFailureIsTheRootCauseWhenNoNodeWasLost) {
   const auto s = summarise({
       ev(10, "n1", "round", {{"generation", 1}, {"world_size", 2}, {"restart_count", 0}}),

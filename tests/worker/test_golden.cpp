@@ -82,6 +82,24 @@ TEST(Golden, ProgressRecords) {
   }
 }
 
+// progress(step, compute_s) from a fresh process: the file holds the last step and the compute
+// time so far; the agent reads both back (Python writes the same: test_worker_contract.py).
+TEST(Golden, ProgressWithComputeTime) {
+  std::ifstream in(fs::path(ELASTRUN_GOLDEN_DIR) / "progress_compute.json");
+  const auto golden_file = ordered_json::parse(in);
+  elastrun::launcher::test_support::TempDir dir;
+  const auto path = dir.path() / "progress";
+  ::setenv(elastrun::contract::env::kProgressFile.data(), path.c_str(), 1);  // before the first progress()
+  for (const auto& call : golden_file["calls"]) elastrun::control::progress(call[0].get<long>(), call[1].get<double>());
+  std::ifstream written(path);
+  const std::string text((std::istreambuf_iterator<char>(written)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, golden_file["file"].get<std::string>());
+  const auto back = elastrun::launcher::read_progress(path.string());
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->step, golden_file["calls"].back()[0].get<long>());
+  EXPECT_EQ(back->compute_us, 750002);
+}
+
 // The writer: one line per write, every line of schema v1, the rank when it has one.
 TEST(EventWriter, AppendsWholeLinesOfSchemaV1) {
   elastrun::launcher::test_support::TempDir dir;

@@ -47,6 +47,29 @@ def test_progress_record_is_the_golden_one(case, tmp_path, monkeypatch):
     assert path.read_text() == case["record"]
 
 
+def test_progress_with_compute_time_is_the_golden_file(tmp_path, monkeypatch):
+    with open(os.path.join(GOLDEN, "progress_compute.json"), encoding="utf-8") as f:
+        golden = json.load(f)
+    path = tmp_path / "progress"
+    monkeypatch.setenv(_contract.ENV_PROGRESS_FILE, str(path))
+    monkeypatch.delenv(_contract.ENV_STACKS_FILE, raising=False)
+    monkeypatch.setattr(control, "_progress_fd", None)
+    monkeypatch.setattr(control, "_compute_us", 0)
+    for step, compute_s in golden["calls"][:-1]:
+        control.progress(step, compute_s)
+    # the last one through the context manager's pending time, as a training loop reports it
+    step, compute_s = golden["calls"][-1]
+    monkeypatch.setattr(control, "_pending_compute_s", compute_s)
+    control.progress(step)
+    assert path.read_text() == golden["file"]
+    assert len(golden["file"]) == _contract.COMPUTE_RECORD_OFFSET + _contract.COMPUTE_RECORD_SIZE
+    with control.compute(synchronize=False):
+        pass
+    assert control._pending_compute_s is not None and control._pending_compute_s >= 0
+    control.progress(step + 1)
+    assert control._pending_compute_s is None, "reported with the step"
+
+
 def test_writer_and_reader_round_trip(tmp_path, monkeypatch):
     path = tmp_path / "events-n1.jsonl"
     monkeypatch.setenv(_contract.ENV_EVENTS_FILE, str(path))

@@ -44,6 +44,8 @@ TEST(Metrics, WhatTheEventLogSaysInTheExpositionFormat) {
         ev(105, "checkpoint_saved",
            {{"rank", 0}, {"step", 10}, {"tier", "file"}, {"blocked_s", 0.2}, {"durable_s", 1.5}}),
         ev(106, "member_lost", {{"member", "n3"}}), ev(106.1, "state", {{"state", "MONITOR"}}),
+        ev(106.15, "straggler", {{"member", "n4"}, {"member_rank", 7}, {"ratio", 2.5}}),
+        ev(106.16, "health_check", {{"ok", false}, {"check", "command"}}),
         ev(106.2, "round", {{"generation", 2}, {"world_size", 6}, {"restart_count", 0}})})
     s.apply(e);
   const auto text = render_metrics(s, {"7", "n1", "7.r\"0"}, 110);
@@ -60,6 +62,10 @@ TEST(Metrics, WhatTheEventLogSaysInTheExpositionFormat) {
             "elastrun_checkpoint_step{" + labels + ",tier=\"file\"} 10");
   EXPECT_EQ(sample_line(text, "elastrun_checkpoint_age_seconds{" + labels + ",tier=\"memory\"}"),
             "elastrun_checkpoint_age_seconds{" + labels + ",tier=\"memory\"} 5.5");
+  EXPECT_EQ(sample_line(text, "elastrun_straggler_ratio{"),
+            "elastrun_straggler_ratio{" + labels + ",member=\"n4\"} 2.5");
+  EXPECT_EQ(sample_line(text, "elastrun_health_check_failures_total{"),
+            "elastrun_health_check_failures_total{" + labels + "} 1");
   EXPECT_EQ(sample_line(text, "elastrun_checkpoint_durable_seconds{" + labels + ",tier=\"file\"}"),
             "elastrun_checkpoint_durable_seconds{" + labels + ",tier=\"file\"} 1.5");
   // the collector's rules: no timestamps, each family's lines together after its HELP and TYPE,

@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -203,6 +204,32 @@ inline void progress(std::int64_t step) {
   char record[contract::kProgressRecordSize + 1];
   std::snprintf(record, sizeof record, contract::kProgressRecordFormat, static_cast<long>(step));
   while (::pwrite(fd, record, contract::kProgressRecordSize, 0) < 0 && errno == EINTR) {
+  }
+}
+
+namespace detail {
+inline std::int64_t& compute_us_so_far() {
+  static std::int64_t total = 0;
+  return total;
+}
+}  // namespace detail
+
+// The same with this step's compute time: the seconds this rank spent computing before the
+// step's collectives (forward, loss, backward before the gradients' all-reduce). In synchronous
+// training every rank's step takes as long as the slowest's, so step times cannot find a slow
+// node; compute times can: the agent compares them across nodes (--straggler-action). Writes the
+// compute record (contract::kComputeRecordFormat: the sum so far, in microseconds) after the
+// progress record, in the same pwrite().
+inline void progress(std::int64_t step, double compute_seconds) {
+  const int fd = detail::progress_fd();
+  if (fd < 0) return;
+  auto& total = detail::compute_us_so_far();
+  total += static_cast<std::int64_t>(std::floor(compute_seconds * 1e6 + 0.5));
+  char record[contract::kComputeRecordOffset + contract::kComputeRecordSize + 1];
+  std::snprintf(record, contract::kProgressRecordSize + 1, contract::kProgressRecordFormat, static_cast<long>(step));
+  std::snprintf(record + contract::kComputeRecordOffset, contract::kComputeRecordSize + 1,
+                contract::kComputeRecordFormat, static_cast<long>(total));
+  while (::pwrite(fd, record, contract::kComputeRecordOffset + contract::kComputeRecordSize, 0) < 0 && errno == EINTR) {
   }
 }
 

@@ -22,6 +22,13 @@ inline constexpr int kUnhealthyExitCode = 87;
 // (printf format, size in bytes).
 inline constexpr const char* kProgressRecordFormat = "%23ld\n";
 inline constexpr std::size_t kProgressRecordSize = 24;
+// what progress(step, compute_s) writes right after the progress record (one pwrite of both): this worker's compute
+// time so far in microseconds -- the sum of every reported step's compute_s, each rounded to the nearest microsecond
+// (floor(s * 1e6 + 0.5)) -- right-aligned, and a newline; absent while the worker reports none. The agent scores
+// stragglers with it (--straggler-action) (printf format, size and offset in bytes).
+inline constexpr const char* kComputeRecordFormat = "%23ld\n";
+inline constexpr std::size_t kComputeRecordSize = 24;
+inline constexpr std::size_t kComputeRecordOffset = 24;
 // The marker a control-channel reader creates beside the file on its first poll.
 inline constexpr std::string_view kControlSeenSuffix = ".seen";
 
@@ -59,7 +66,9 @@ inline constexpr std::string_view kControlFile =
 inline constexpr std::string_view kCheckpointDir = "ELASTRUN_CHECKPOINT_DIR";  // --checkpoint-dir, when given
 inline constexpr std::string_view kCheckpointedExitCodeVar =
     "ELASTRUN_CHECKPOINTED_EXIT_CODE";  // the exit code meaning 'checkpointed, please requeue' (85)
-inline constexpr std::string_view kProgressFile = "ELASTRUN_PROGRESS_FILE";  // touched by progress() (--hang-timeout)
+inline constexpr std::string_view kProgressFile =
+    "ELASTRUN_PROGRESS_FILE";  // where progress(step[, compute_s]) writes the progress and compute records
+                               // (--hang-timeout, --straggler-action)
 inline constexpr std::string_view kStacksFile =
     "ELASTRUN_STACKS_FILE";  // where a hung Python worker's stacks go (--hang-timeout)
 inline constexpr std::string_view kStacksSignal = "ELASTRUN_STACKS_SIGNAL";  // the signal that dumps them
@@ -139,6 +148,11 @@ inline constexpr std::string_view kHealthCheck =
     "health_check";  // agent: the node's health checks ran (--health-check; when: first join, after a failure): ok
                      // false names the check that failed and what it found, and the node leaves the job (exit 87); ok
                      // true lists each check (checks)
+inline constexpr std::string_view kStraggler =
+    "straggler";  // agent: group rank 0 found a straggler (--straggler-action): the node `member`'s compute time (its
+                  // slowest rank's, `member_rank`, reported with progress(step, compute_s)) was above
+                  // --straggler-threshold x the median node's for `windows` windows of `window_steps` steps in a row;
+                  // action report, or exclude (the node leaves, exit 87)
 inline constexpr std::string_view kWorkersStarted = "workers_started";    // agent: this node's workers were started
 inline constexpr std::string_view kWorkerExit = "worker_exit";            // agent: a worker exited
 inline constexpr std::string_view kFailureDecision = "failure_decision";  // agent: what the agent does about a failure
