@@ -331,6 +331,7 @@ Transition Agent::monitor() {
     if (auto stop = stop_requested_elsewhere()) return states::CheckpointStop{std::move(*stop), std::move(seen)};
     watch_for_hangs();
     watch_stragglers();
+    if (auto unhealthy = watch_node_health()) return exit_with(*unhealthy);
     if (const Change change = wait_for_change(o_.monitor_interval); change != Change::None)
       return states::MembershipChanged{change};
   }

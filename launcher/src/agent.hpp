@@ -44,12 +44,14 @@
 #include "failure_report.hpp"
 #include "gpu_binding.hpp"
 #include "hang_watch.hpp"
+#include "health_check.hpp"
 #include "job_outcome.hpp"
 #include "node_runtime.hpp"
 #include "options.hpp"
 #include "restart_policy.hpp"
 #include "signals.hpp"
 #include "straggler_watch.hpp"
+#include "subprocess.hpp"
 #include "workers.hpp"
 
 namespace elastrun::launcher {
@@ -163,8 +165,11 @@ class Agent {
   void refresh_unhealthy_nodes();              // each round: the nodes that left the job this way
   std::vector<std::string> unhealthy_nodes();  // ... as last read (any thread: excluded on requeue)
   void report_node_verdicts();                 // group rank 0 at the end: who left, who was slow
-  void start_straggler_watch();                // START_WORKERS: fresh windows (and scores on group rank 0)
-  void watch_stragglers();                     // MONITOR, every tick (straggler_watch.hpp)
+  // MONITOR: --health-check-interval, the checks again without blocking; the exit code when one failed
+  std::optional<int> watch_node_health();
+  int fail_health_check(const std::string& when, const HealthVerdict& failed, long long ms, nlohmann::json checks);
+  void start_straggler_watch();  // START_WORKERS: fresh windows (and scores on group rank 0)
+  void watch_stragglers();       // MONITOR, every tick (straggler_watch.hpp)
 
   // ---- stopping for a checkpoint, requeue coordination (agent_stop.cpp) ----
   static StopRequest stop_for_signal(int sig, std::string_view detail = {});  // Slurm's warning, preemption
@@ -236,6 +241,9 @@ class Agent {
   bool health_due_ = true;
   bool health_checked_once_ = false;
   std::filesystem::path health_marker_;  // this node's marker in the checkpoint directory (removed at the end)
+  std::optional<BackgroundCommand> background_check_;  // --health-check-interval: the command running now
+  std::size_t background_command_ = 0;                 // ... its index in --health-check's commands
+  Clock::time_point next_health_check_{}, background_check_started_{};
   // stragglers (straggler_watch.hpp): this attempt's windows per local rank, the last published
   std::vector<ComputeWindows> compute_windows_;
   std::vector<std::optional<ComputeWindows::Window>> rank_windows_;

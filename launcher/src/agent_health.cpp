@@ -54,17 +54,69 @@ std::optional<int> Agent::check_node_health() {
                   {{"ok", true}, {"when", when}, {"duration_ms", ms}, {"checks", std::move(checks)}});
     return std::nullopt;
   }
-  const auto& failed = verdicts.back();
-  spdlog::error("error: node {} failed its health check ({}, {}): {}; it does not join; exiting {}", plan_.me.node_name,
-                when, failed.check, failed.what, contract::kUnhealthyExitCode);
+  return fail_health_check(when, verdicts.back(), ms, std::move(checks));
+}
+
+int Agent::fail_health_check(const std::string& when, const HealthVerdict& failed, long long ms,
+                             nlohmann::json checks) {
+  spdlog::error("error: node {} failed its health check ({}, {}): {}; it {}; exiting {}", plan_.me.node_name, when,
+                failed.check, failed.what, group_ ? "stops its workers and leaves the job" : "does not join",
+                contract::kUnhealthyExitCode);
   events().emit(contract::event::kHealthCheck, {{"ok", false},
                                                 {"when", when},
                                                 {"check", failed.check},
                                                 {"what", failed.what},
                                                 {"duration_ms", ms},
                                                 {"checks", std::move(checks)}});
+  background_check_.reset();
+  if (group_) stop_workers(o_.stop_grace);
   leave_job(fmt::format("failed its health check ({}, {}): {}", when, failed.check, failed.what));
   return contract::kUnhealthyExitCode;
+}
+
+// MONITOR, every tick: with --health-check-interval the node-local builtin checks at once and the
+// site's commands one after the other in the background (the reaper reaps them), then a pause of
+// the interval. A pass says nothing (it would every few seconds); a failure ends this node's part.
+std::optional<int> Agent::watch_node_health() {
+  if (o_.health_check_interval.count() <= 0 || !health_checks_on() || !group_) return std::nullopt;
+  const auto now = Clock::now();
+  const std::string when = "while training";
+  if (!background_check_) {
+    if (now < next_health_check_) return std::nullopt;
+    if (o_.health_check_builtin) {
+      HealthContext context;
+      context.gpus = gpus_;
+      context.memory_budget = o_.memory_checkpoints;
+      const auto verdicts = run_node_local_checks(context);
+      if (!verdicts.back().ok) return fail_health_check(when, verdicts.back(), 0, nlohmann::json::array());
+    }
+    background_command_ = 0;
+    if (o_.health_check_commands.empty()) {
+      next_health_check_ = now + o_.health_check_interval;
+      return std::nullopt;
+    }
+    background_check_.emplace(std::vector<std::string>{"/bin/sh", "-c", o_.health_check_commands[0]},
+                              o_.health_check_timeout, runtime_.reaper());
+    background_check_started_ = now;
+    return std::nullopt;
+  }
+  const auto out = background_check_->poll();
+  if (!out) return std::nullopt;
+  const auto& command = o_.health_check_commands[background_command_];
+  const auto verdict = judge_command(command, *out, o_.health_check_timeout);
+  const auto ms = std::chrono::duration_cast<Millis>(now - background_check_started_).count();
+  if (!verdict.ok)
+    return fail_health_check(
+        when, verdict, ms, nlohmann::json::array({{{"check", verdict.check}, {"ok", false}, {"what", verdict.what}}}));
+  background_check_.reset();
+  if (++background_command_ < o_.health_check_commands.size()) {
+    background_check_.emplace(std::vector<std::string>{"/bin/sh", "-c", o_.health_check_commands[background_command_]},
+                              o_.health_check_timeout, runtime_.reaper());
+    background_check_started_ = now;
+  } else {
+    next_health_check_ = now + o_.health_check_interval;
+  }
+  return std::nullopt;
 }
 
 std::optional<int> Agent::leave_if_excluded() {

@@ -205,6 +205,13 @@ void remove_checkpoint_dir_marker(const fs::path& marker, rdzv::Rendezvous* rdzv
   fs::remove(marker, ec);
 }
 
+std::vector<HealthVerdict> run_node_local_checks(const HealthContext& c) {
+  std::vector<HealthVerdict> verdicts{judge_gpus(c.gpus, count_nvidia_device_files(), std::nullopt, "")};
+  if (verdicts.back().ok) verdicts.push_back(judge_memory(c.memory_budget, mem_available_bytes()));
+  if (verdicts.back().ok) verdicts.push_back(judge_shm(fs_space("/dev/shm")));
+  return verdicts;
+}
+
 std::vector<HealthVerdict> run_health_checks(const HealthContext& c, fs::path& marker) {
   std::vector<HealthVerdict> verdicts;
   auto failed = [&] { return !verdicts.empty() && !verdicts.back().ok; };

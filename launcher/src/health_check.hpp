@@ -87,6 +87,10 @@ struct HealthContext {
   std::string node, run_id, store_node;
   rdzv::Rendezvous* rdzv = nullptr;  // the store checks need it (null: skipped)
 };
+// The builtin checks that need neither the store nor a helper process (gpus by device files,
+// memory, shm), for the repeated checks while workers run; stops at the first failure.
+std::vector<HealthVerdict> run_node_local_checks(const HealthContext& c);
+
 // Runs every check in order (builtin first) and stops at the first that fails; returns the
 // verdicts so far (the last one failed, or all passed). `marker`: as check_checkpoint_dir.
 std::vector<HealthVerdict> run_health_checks(const HealthContext& c, std::filesystem::path& marker);

@@ -364,7 +364,8 @@ struct RawFlags {
   std::string het_nnodes;
   std::string nnodes, nproc = "1", rdzv_conf, monitor = "0.1", grace = "5", exit_barrier = "300", redirects = "0",
                       tee = "0", ranks_filter, node_rank, master_port, hang_timeout, memory_checkpoints,
-                      partition_timeout, health_check_timeout = "60", straggler_threshold = "1.5";
+                      partition_timeout, health_check_timeout = "60", straggler_threshold = "1.5",
+                      health_check_interval = "0";
   std::vector<std::string> health_checks;
   // torchrun 2.x flags
   std::string shutdown_timeout, logs_specs, event_log_handler, signals_to_handle, dup_stdout, dup_stderr,
@@ -482,6 +483,9 @@ void declare_flags(CLI::App& app, RawFlags& raw, AgentOptions& o) {
       ->allow_extra_args(false);  // one value per flag: the program that follows is not a second check
   app.add_option("--health-check-timeout,--health_check_timeout", raw.health_check_timeout,
                  "seconds a --health-check command may run before it fails the node (default 60)");
+  app.add_option("--health-check-interval,--health_check_interval", raw.health_check_interval,
+                 "seconds between --health-check runs while the workers train, in the background (default 0: "
+                 "only at the first join and after a failure)");
   app.add_option("--straggler-action,--straggler_action", o.straggler_action,
                  "report|exclude|off: a node whose workers' compute time (progress(step, compute_s)) stays above "
                  "--straggler-threshold x the median node's is reported (event straggler), or excluded like a "
@@ -573,6 +577,7 @@ void convert_values(const CLI::App& app, const RawFlags& raw, AgentOptions& o) {
     throw UsageError(fmt::format("--straggler-windows={} must be 1 or more", o.straggler_windows));
   if (o.health_check_timeout.count() <= 0)
     throw UsageError(fmt::format("--health-check-timeout={} must be more than 0", raw.health_check_timeout));
+  o.health_check_interval = seconds_option("--health-check-interval", raw.health_check_interval);
   if (!raw.memory_checkpoints.empty()) o.memory_checkpoints = memory_budget(raw.memory_checkpoints);
   parse_torchrun2_flags({.shutdown_timeout = raw.shutdown_timeout,
                          .stop_grace_given = app.count("--stop-grace") > 0,

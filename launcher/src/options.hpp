@@ -95,6 +95,7 @@ struct AgentOptions {
   bool health_check_builtin = false;
   std::vector<std::string> health_check_commands;
   Millis health_check_timeout{60'000};
+  Millis health_check_interval{0};  // --health-check-interval: again while workers run (0 = off)
   // --straggler-* (straggler_watch.hpp): report (default), exclude or off; threshold, W, K
   std::string straggler_action = "report";
   double straggler_threshold = 1.5;

@@ -8,10 +8,12 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <mutex>
 
 #include <fmt/format.h>
 
 #include "elastrun/util/unique_fd.hpp"
+#include "reaper.hpp"
 
 extern char** environ;
 
@@ -45,17 +47,24 @@ std::vector<std::string> environment_with(const std::vector<std::string>& extra)
 }
 }  // namespace
 
-CommandOutput run_captured(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
-                           const std::vector<std::string>& extra_env) {
-  CommandOutput result;
+namespace {
+struct Spawned {
+  pid_t pid = -1;
+  util::UniqueFd read_end;
+  std::string error;  // why it could not start
+};
+
+// fork + exec with output into a pipe (see the header); async-signal-safe calls only in the child.
+Spawned spawn_captured(const std::vector<std::string>& argv, const std::vector<std::string>& extra_env) {
+  Spawned s;
   if (argv.empty()) {
-    result.output = "no command";
-    return result;
+    s.error = "no command";
+    return s;
   }
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) {
-    result.output = fmt::format("pipe: {}", std::strerror(errno));
-    return result;
+    s.error = fmt::format("pipe: {}", std::strerror(errno));
+    return s;
   }
   util::UniqueFd read_end(fds[0]), write_end(fds[1]);
   std::vector<std::string> args_copy = argv;
@@ -68,10 +77,10 @@ CommandOutput run_captured(const std::vector<std::string>& argv, std::chrono::mi
   env.push_back(nullptr);
   const pid_t child = ::fork();
   if (child < 0) {
-    result.output = fmt::format("fork: {}", std::strerror(errno));
-    return result;
+    s.error = fmt::format("fork: {}", std::strerror(errno));
+    return s;
   }
-  if (child == 0) {  // only async-signal-safe calls from here
+  if (child == 0) {
     ::setpgid(0, 0);
     sigset_t none;
     sigemptyset(&none);
@@ -86,13 +95,33 @@ CommandOutput run_captured(const std::vector<std::string>& argv, std::chrono::mi
     ignored = ::write(2, why, std::strlen(why));
     ::_exit(127);
   }
-  result.started = true;
-  write_end.reset();
   ::fcntl(read_end.get(), F_SETFL, O_NONBLOCK);
+  s.pid = child;
+  s.read_end = std::move(read_end);
+  return s;
+}
+
+void set_status(CommandOutput& out, int status) {
+  if (WIFEXITED(status)) out.exit_code = WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) out.signal = WTERMSIG(status);
+}
+}  // namespace
+
+CommandOutput run_captured(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
+                           const std::vector<std::string>& extra_env) {
+  CommandOutput result;
+  auto spawned = spawn_captured(argv, extra_env);
+  if (spawned.pid < 0) {
+    result.output = spawned.error;
+    return result;
+  }
+  result.started = true;
+  const pid_t child = spawned.pid;
+  const int fd = spawned.read_end.get();
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   int status = 0;
   while (true) {
-    drain(read_end.get(), result.output);
+    drain(fd, result.output);
     const pid_t done = ::waitpid(child, &status, WNOHANG);
     if (done == child) break;
     if (done < 0 && errno != EINTR) {  // cannot happen for our own child; do not spin
@@ -110,10 +139,63 @@ CommandOutput run_captured(const std::vector<std::string>& argv, std::chrono::mi
     ::usleep(20'000);
   }
   ::kill(-child, SIGKILL);  // what it left behind in its group (a backgrounded helper)
-  drain(read_end.get(), result.output);
-  if (WIFEXITED(status)) result.exit_code = WEXITSTATUS(status);
-  if (WIFSIGNALED(status)) result.signal = WTERMSIG(status);
+  drain(fd, result.output);
+  set_status(result, status);
   return result;
+}
+
+struct BackgroundCommand::Shared {
+  std::mutex mutex;
+  std::optional<int> status;  // set by the reaper's handler
+};
+
+BackgroundCommand::BackgroundCommand(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
+                                     Reaper& reaper)
+    : shared_(std::make_shared<Shared>()), deadline_(std::chrono::steady_clock::now() + timeout) {
+  auto spawned = spawn_captured(argv, {});
+  if (spawned.pid < 0) {
+    output_.output = spawned.error;
+    return;
+  }
+  output_.started = true;
+  pid_ = spawned.pid;
+  read_end_ = std::move(spawned.read_end);
+  reaper.own(pid_, [shared = shared_](pid_t, int status) {
+    std::lock_guard lock(shared->mutex);
+    shared->status = status;
+  });
+}
+
+BackgroundCommand::~BackgroundCommand() {
+  if (pid_ > 0) {
+    std::lock_guard lock(shared_->mutex);
+    if (!shared_->status) {
+      ::kill(-pid_, SIGKILL);
+      ::kill(pid_, SIGKILL);
+    }
+  }
+}
+
+std::optional<CommandOutput> BackgroundCommand::poll() {
+  if (pid_ < 0) return output_;  // it never started
+  if (read_end_) drain(read_end_.get(), output_.output);
+  std::optional<int> status;
+  {
+    std::lock_guard lock(shared_->mutex);
+    status = shared_->status;
+  }
+  if (!status) {
+    if (!output_.timed_out && std::chrono::steady_clock::now() > deadline_) {
+      output_.timed_out = true;
+      ::kill(-pid_, SIGKILL);
+      ::kill(pid_, SIGKILL);
+    }
+    return std::nullopt;
+  }
+  ::kill(-pid_, SIGKILL);  // what it left behind in its group
+  if (read_end_) drain(read_end_.get(), output_.output);
+  set_status(output_, *status);
+  return output_;
 }
 
 std::string last_line(const std::string& text, std::size_t max_chars) {

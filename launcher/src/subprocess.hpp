@@ -8,8 +8,12 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "elastrun/util/unique_fd.hpp"
 
 namespace elastrun::launcher {
 
@@ -26,6 +30,30 @@ struct CommandOutput {
 // replacing those of) the agent's environment.
 CommandOutput run_captured(const std::vector<std::string>& argv, std::chrono::milliseconds timeout,
                            const std::vector<std::string>& extra_env = {});
+
+class Reaper;
+
+// The same without blocking the agent's main thread (--health-check-interval while workers run):
+// the child is owned by the agent's reaper, which reaps it in its rounds and hands over its status;
+// poll() drains its output and says when it is done. At the deadline its process group is killed.
+// Destroying it early kills it too (the reaper still reaps it).
+class BackgroundCommand {
+ public:
+  BackgroundCommand(const std::vector<std::string>& argv, std::chrono::milliseconds timeout, Reaper& reaper);
+  ~BackgroundCommand();
+  BackgroundCommand(const BackgroundCommand&) = delete;
+  BackgroundCommand& operator=(const BackgroundCommand&) = delete;
+  // nullopt while it runs; its output once the reaper has seen it end (or it could not start).
+  std::optional<CommandOutput> poll();
+
+ private:
+  struct Shared;
+  std::shared_ptr<Shared> shared_;  // with the reaper's handler, which may outlive this object
+  int pid_ = -1;
+  util::UniqueFd read_end_;
+  std::chrono::steady_clock::time_point deadline_;
+  CommandOutput output_;
+};
 
 // The last non-empty line of `text` (trimmed, at most `max_chars`), "" if none: what a failed
 // command said last.

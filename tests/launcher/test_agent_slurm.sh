@@ -13,7 +13,8 @@
 #  5. kill -9 of the agent on n2 while its workers run -> none of n2's workers survives;
 #  6. a bad flag -> every agent exits 2 with one error line, no worker starts;
 #  7. --health-check: n3's fails -> it does not join, world 6, n3 named; the same for n1 (the
-#     store's host, which keeps serving the store).
+#     store's host, which keeps serving the store); with --health-check-interval, n3's check
+#     fails while its workers run -> it leaves, the others go on at world 6.
 # Usage: test_agent_slurm.sh path/to/launcher_test_worker
 # Environment: ELASTRUN_TESTBED, TESTBED_ID (the shared id; this test uses <id>-launcher),
 # ELASTRUN_BIN (build/bin).
@@ -201,5 +202,32 @@ PY
 }
 health_case health n3 n1,n2,n4
 health_case health-store-host n1 n2,n3,n4
+
+# ... and while training (--health-check-interval): n3's check starts failing while its workers run
+# -> it stops them and leaves (exit 87); the others re-form at world 6 and finish.
+mkdir -p "$out/health-live"
+live_check="if [ -e $out/health-live/bad.\$SLURMD_NODENAME ]; then echo 'GPU 1: XID 79, fallen off the bus'; exit 1; fi"
+TEST_WORKER_OUT_DIR=$out/health-live TEST_WORKER_SLEEP=120 TEST_WORKER_SLEEP_WORLD_SIZE=8 \
+  srun --no-kill -N4 --ntasks-per-node=1 \
+  "$ELASTRUN_BIN/elastrun" --nnodes=3:4 --nproc-per-node=2 --health-check="$live_check" --health-check-interval=1 \
+  "$worker" >"$out/health-live.log" 2>&1 &
+srun_pid=$!
+track_pid "$srun_pid"
+wait_for 120 have_files 8 "$out/health-live/rank*.json" || fail "8 workers did not start"
+touch "$out/health-live/bad.n3"
+broke=$SECONDS
+wait_for 120 have_lines 3 "done; exiting 0" "$out/health-live.log" || fail "the three others did not finish after n3's check failed"
+echo "n3's check failed while training -> the others finished in $((SECONDS - broke)) s"
+await "$srun_pid" || true
+grep -q "\[elastrun node n3\] error: node n3 failed its health check (while training, command): .*fallen off the bus; it stops its workers and leaves the job; exiting 87" \
+  "$out/health-live.log" || fail "n3 did not leave with its health check's reason"
+/usr/bin/python3 - "$out/health-live" <<'PY'
+import glob, json, sys
+runs = [json.load(open(f)) for f in glob.glob(sys.argv[1] + "/rank*.json")]
+six = [r for r in runs if r["WORLD_SIZE"] == "6"]
+assert sorted(int(r["RANK"]) for r in six) == list(range(6)), six
+assert {r["ELASTRUN_NODE"] for r in six} == {"n1", "n2", "n4"}, six
+print("ok: n3 left while training; n1 n2 n4 went on at world 6")
+PY
 
 echo "ok: slurm.launcher_agent"

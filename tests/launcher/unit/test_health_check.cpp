@@ -7,7 +7,10 @@
 #include <fstream>
 
 #include "elastrun/rdzv/store.hpp"
+#include <thread>
+
 #include "health_check.hpp"
+#include "reaper.hpp"
 #include "temp_dir.hpp"
 
 namespace elastrun::launcher {
@@ -167,6 +170,42 @@ TEST(HealthCheck, TheCheckpointDirectoryMustBeTheOneTheOtherNodesSee) {
   std::filesystem::path none;
   const auto ro = check_checkpoint_dir("/proc/elastrun-ckpt", *n2, "n2", "hc", none);
   EXPECT_FALSE(ro.ok);
+}
+
+// While workers run (--health-check-interval) the command runs in the background: the agent's
+// reaper reaps it in its rounds and hands its status over; nothing blocks meanwhile.
+TEST(HealthCheck, ABackgroundCommandIsReapedByTheReaperAndKilledAtItsDeadline) {
+  Reaper reaper;
+  const auto finish = [&](BackgroundCommand& c) {
+    for (int i = 0; i < 500; ++i) {
+      reaper.reap();
+      if (auto out = c.poll()) return out;
+      std::this_thread::sleep_for(10ms);
+    }
+    return std::optional<CommandOutput>();
+  };
+  BackgroundCommand failing({"/bin/sh", "-c", "echo 'GPU 1: XID 79'; exit 4"}, 10s, reaper);
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_FALSE(BackgroundCommand({"/bin/sh", "-c", "sleep 5"}, 10s, reaper).poll()) << "a running one: not done";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 2s) << "starting and polling do not wait for it";
+  const auto out = finish(failing);
+  ASSERT_TRUE(out);
+  EXPECT_EQ(out->exit_code, 4);
+  EXPECT_EQ(judge_command("gpu-ok", *out, 10s).what, "'gpu-ok' exited 4: GPU 1: XID 79");
+  BackgroundCommand slow({"/bin/sh", "-c", "sleep 30"}, 200ms, reaper);
+  const auto killed = finish(slow);
+  ASSERT_TRUE(killed);
+  EXPECT_TRUE(killed->timed_out);
+  EXPECT_FALSE(judge_command("slow", *killed, 200ms).ok);
+  BackgroundCommand missing({"/nonexistent/check"}, 5s, reaper);
+  const auto not_run = finish(missing);
+  ASSERT_TRUE(not_run);
+  EXPECT_EQ(not_run->exit_code, 127);
+  for (int i = 0; i < 100 && !Reaper::children().empty(); ++i) {  // the sleep 5 killed by its destructor
+    reaper.reap();
+    std::this_thread::sleep_for(20ms);
+  }
+  EXPECT_TRUE(Reaper::children().empty()) << "a child left running";
 }
 
 TEST(HealthCheck, ChecksRunInOrderAndStopAtTheFirstFailure) {

@@ -136,6 +136,8 @@ TEST(Options, HealthChecksBuiltinAndCommandsRepeatable) {
   EXPECT_TRUE(both.health_check_builtin);
   EXPECT_EQ(both.health_check_commands, std::vector<std::string>{"/site/gpu-ok --quick"});
   EXPECT_EQ(both.health_check_timeout, Millis(5000));
+  EXPECT_EQ(both.health_check_interval, Millis(0)) << "off by default";
+  EXPECT_EQ(parse({"--health-check-interval=30", "x"}).health_check_interval, Millis(30'000));
   EXPECT_EQ(both.program, "x");
   // PET_HEALTH_CHECK is the default; a flag on the line replaces it instead of adding to it
   EXPECT_EQ(parse({"x"}, {{"health_check", "/site/a"}}).health_check_commands, std::vector<std::string>{"/site/a"});

@@ -145,9 +145,9 @@ inline constexpr std::string_view kPartitioned =
                     // (waiting true); or the wait ended (waiting false): a round formed again, or every absent member
                     // was confirmed gone (then `--rdzv-conf join_timeout` applies as usual)
 inline constexpr std::string_view kHealthCheck =
-    "health_check";  // agent: the node's health checks ran (--health-check; when: first join, after a failure): ok
-                     // false names the check that failed and what it found, and the node leaves the job (exit 87); ok
-                     // true lists each check (checks)
+    "health_check";  // agent: the node's health checks ran (--health-check; when: first join, after a failure, while
+                     // training): ok false names the check that failed and what it found, and the node leaves the job
+                     // (exit 87); ok true lists each check (checks)
 inline constexpr std::string_view kStraggler =
     "straggler";  // agent: group rank 0 found a straggler (--straggler-action): the node `member`'s compute time (its
                   // slowest rank's, `member_rank`, reported with progress(step, compute_s)) was above
