@@ -26,7 +26,7 @@
 //    worker, so after a crash (or a node loss, where every surviving node holds the step) the ranks
 //    resume from it -- at most N steps lost -- when it is newer than the newest file checkpoint;
 //  - with $ELASTRUN_EVENTS_FILE it appends checkpoint_saved (tier file or memory) / resumed (source
-//    file or memory-local) / step / train_done events.
+//    file, memory-local or memory-partner) / step / train_done events.
 // Log lines are "[rank N] ...". Exit codes: 0 done, 85 checkpointed and stopped, 143 SIGTERM,
 // 1 error (and --fail-at-step), 2 bad flags.
 #include <CLI/CLI.hpp>
@@ -646,7 +646,7 @@ class Trainer {
       }
       const auto checksum = fnv1a(out, total);
       maybe_park_memory_save(step);
-      memory_->commit(std::move(segment), checksum);
+      memory_->commit(std::move(segment), checksum, world_);
       if (rank_ == 0)
         events_.write("checkpoint_saved", rank_,
                       {{"step", step},
@@ -669,16 +669,26 @@ class Trainer {
     nlohmann::json meta;
     elastrun::worker::MemorySegment segment;
     std::size_t data_offset = 0;
+    std::string origin = "own";  // the agent's: own, fetched (from a peer), replica
   };
   std::optional<MemorySnapshot> memory_snapshot(std::optional<std::uint64_t> want = std::nullopt) {
     if (!memory_) return std::nullopt;
     try {
       const auto listing = memory_->list();
+      // a replica (held for the partner node) counts only for a step asked for: the newest step
+      // is the newest this node's ranks wrote or were given
       std::optional<std::pair<std::uint64_t, int>> best;
-      for (const auto& s : listing.at("segments"))
+      std::string origin;
+      for (const auto& s : listing.at("segments")) {
+        const auto from = s.value("origin", std::string("own"));
         if (s.at("committed").get<bool>() && (!want || s.at("step").get<std::uint64_t>() == *want) &&
-            (!best || s.at("step").get<std::uint64_t>() > best->first))
+            (want || from != "replica") &&
+            (!best || s.at("step").get<std::uint64_t>() > best->first ||
+             (s.at("step").get<std::uint64_t>() == best->first && origin == "replica"))) {
           best = {s.at("step").get<std::uint64_t>(), s.at("rank").get<int>()};
+          origin = from;
+        }
+      }
       if (!best) return std::nullopt;
       auto segment = memory_->newest(best->second, best->first);
       if (!segment || segment->size() < sizeof(std::uint64_t)) return std::nullopt;
@@ -702,7 +712,8 @@ class Trainer {
       if (sizeof header_size + header_size + data_bytes != segment->size() ||
           meta.at("seed").get<std::uint64_t>() != args_.seed || meta.at("step").get<std::uint64_t>() != best->first)
         return std::nullopt;
-      return MemorySnapshot{best->first, std::move(meta), std::move(*segment), sizeof header_size + header_size};
+      return MemorySnapshot{best->first, std::move(meta), std::move(*segment), sizeof header_size + header_size,
+                            origin};
     } catch (const std::exception& e) {
       log("warning: reading the memory snapshot: {}", e.what());
       return std::nullopt;
@@ -745,6 +756,16 @@ class Trainer {
       if (rank_ == 0) log("memory snapshot of step {} not on every rank: using the file tier", memory_step);
       return std::nullopt;
     }
+    // where the pieces came from: any rank's from a peer agent makes the restore "memory-partner"
+    std::int64_t from_partner = snapshot->origin == "own" ? 0 : 1;
+    if (pg_) {
+      auto t = torch::tensor({from_partner}, torch::kInt64);
+      std::vector<torch::Tensor> bufs{t};
+      pg_->allreduce(bufs, c10d::AllreduceOptions{c10d::ReduceOp::MAX})->wait();
+      from_partner = t[0].item<std::int64_t>();
+    }
+    log("restoring step {} from the agents' memory: rank {}'s snapshot, {}", snapshot->step, snapshot->segment.rank(),
+        snapshot->origin == "own" ? "written on this node" : "copied from a peer agent");
     torch::NoGradGuard no_grad;
     std::size_t at = snapshot->data_offset;
     for (auto& t : state_tensors()) {
@@ -759,14 +780,15 @@ class Trainer {
     if (meta.contains("loss") && meta.at("loss").is_number()) resumed_loss_ = meta.at("loss").get<double>();
     const int saved_world = meta.value("world_size", 0);
     if (rank_ == 0) {
-      log("resumed from step {} in the agents' memory (saved by a world of {}, now {}; newest file checkpoint: {})",
-          step, saved_world, world_, newest_file < 0 ? std::string("none") : std::to_string(newest_file));
-      write_resumed(step, "memory-local", saved_world);
+      log("resumed from step {} in the agents' memory{} (saved by a world of {}, now {}; newest file checkpoint: {})",
+          step, from_partner ? " (partner copies)" : "", saved_world, world_,
+          newest_file < 0 ? std::string("none") : std::to_string(newest_file));
+      write_resumed(step, from_partner ? "memory-partner" : "memory-local", saved_world);
     }
     return step;
   }
 
-  // rank 0's "resumed" event; source: where the state came from (file, memory-local)
+  // rank 0's "resumed" event; source: where the state came from (file, memory-local, memory-partner)
   void write_resumed(std::uint64_t step, std::string_view source, int saved_world) {
     events_.write("resumed", rank_,
                   {{"step", step},

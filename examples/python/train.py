@@ -174,7 +174,8 @@ class Trainer:
                      f"{self.args.global_batch}: continuing at sample {self.next_sample}")
         for why in info.skipped:
             self.log(f"skipped a damaged checkpoint: {why}")
-        where = "the agents' memory" if info.source == "memory-local" else info.path
+        where = {"memory-local": "the agents' memory",
+                 "memory-partner": "the agents' memory (partner copies)"}.get(info.source, info.path)
         self.log(f"resumed from {where}: step {self.step}, sample {self.next_sample}, world {self.world} "
                  f"(saved at world {meta.get('world_size')})")
         if self.rank == 0:  # one event per resume, as the C++ trainer writes

@@ -191,6 +191,7 @@ Transition Agent::rendezvous() {
     set_fence(rdzv_->commit_fence(env_.slurm ? static_cast<std::uint64_t>(env_.slurm->restart_count) : 0));
     for (const auto& m : r.members()) ever_members_.insert(m.node_name);
     refresh_unhealthy_nodes();
+    memory_peers_round(r);
     if (r.group_rank == 0)  // a lost member's metrics file: its agent cannot remove it
       for (const auto& node : last_members)
         if (std::none_of(r.members().begin(), r.members().end(), [&](const auto& m) { return m.node_name == node; }))
@@ -435,6 +436,9 @@ Transition Agent::membership_changed(states::MembershipChanged entered) {
                 ? std::string("rendezvous closed by another agent: stopping workers")
                 : fmt::format("{}: stopping workers, re-forming (no restart counted)", to_string(entered.change)));
   if (entered.change == Change::MemberWaiting && o_.scale_up_checkpoint) checkpoint_before_scale_up();
+  // Another agent restarts the round for a failure -- possibly ours: a worker that failed before
+  // we saw the request (its error file's message) goes into the job-wide report, as in FAILED.
+  if (entered.change == Change::Reform && group_) collect_exits();
   // The store lost (a cut link, or its host gone): while the workers stop, try it again at once, so
   // that after a short cut the others find this node alive when they re-form.
   std::future<void> reconnecting;

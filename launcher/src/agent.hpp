@@ -168,6 +168,9 @@ class Agent {
   // MONITOR: --health-check-interval, the checks again without blocking; the exit code when one failed
   std::optional<int> watch_node_health();
   int fail_health_check(const std::string& when, const HealthVerdict& failed, long long ms, nlohmann::json checks);
+  // memory checkpoints between agents (memory_peers.hpp): at setup, then after each round
+  void start_memory_peers(bool etcd);
+  void memory_peers_round(const rdzv::RoundResult& round);
   void start_straggler_watch();  // START_WORKERS: fresh windows (and scores on group rank 0)
   void watch_stragglers();       // MONITOR, every tick (straggler_watch.hpp)
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <map>
 #include <thread>
 
 #include <fmt/format.h>
@@ -43,6 +44,9 @@ namespace fs = std::filesystem;
 using namespace elastrun::rdzv;
 
 namespace {
+
+// memory-peer/<member key> = host:port of that agent's MemoryPeers (under the store's pub/)
+const std::string kMemoryPeerKeys = "memory-peer/";
 
 void ensure_std_fds() {
   for (int fd = 0; fd <= 2; ++fd) {
@@ -194,10 +198,63 @@ void Agent::bootstrap() {
   rdzv_ = std::make_unique<Rendezvous>(std::move(kv), std::move(hb), config, plan_.me, connector);
   etcd_endpoint_ = etcd ? endpoint : std::string();
   runtime_.set_commit_fence([this](const std::string& what) { return check_commit(what); });
+  if (runtime_.memory()) start_memory_peers(etcd);
   spdlog::info("run '{}', backend {}{}, store {}:{}, nodes {}:{}, {} worker(s) per node", plan_.run_id,
                standalone ? "standalone" : to_string(o_.rdzv_backend),
                plan_.host_store && !etcd ? " (hosted here)" : "", etcd ? endpoint : plan_.store_address,
                etcd ? 0 : plan_.store_port, min_nodes_, max_nodes_, o_.nproc_per_node);
+}
+
+// The memory tier's partner copies (memory_peers.hpp): a job of two or more nodes on the embedded
+// store (its authentication is theirs). The address goes into the store before we join, so every
+// member of a round has published its own by the time the round forms.
+void Agent::start_memory_peers(bool etcd) {
+  if (max_nodes_ < 2) {
+    spdlog::warn(
+        "warning: memory checkpoints on one node: no partner holds copies, so they survive a worker's "
+        "crash but not this node's loss");
+    return;
+  }
+  if (etcd) {
+    spdlog::warn(
+        "warning: memory checkpoints with --rdzv-backend=etcd: no partner copies (they authenticate "
+        "like the embedded store); each node keeps its own snapshots");
+    return;
+  }
+  const auto bind = rdzv::ipv4_address(plan_.me.address);
+  try {
+    if (!bind) throw std::runtime_error(fmt::format("'{}' does not resolve to an IPv4 address", plan_.me.address));
+    runtime_.enable_memory_peers({.auth = auth_, .run_id = plan_.run_id}, *bind);
+    rdzv_->publish(kMemoryPeerKeys + plan_.me.sort_key(), runtime_.memory_peers()->address());
+    spdlog::info("memory checkpoints: partner copies served on {}", runtime_.memory_peers()->address());
+  } catch (const std::exception& e) {
+    spdlog::warn("warning: memory checkpoints without partner copies (this node's loss loses its snapshots): {}",
+                 e.what());
+  }
+}
+
+// After a round formed: the partner is the next member in round order; the fetch for our new
+// ranks starts now, while the workers start.
+void Agent::memory_peers_round(const RoundResult& round) {
+  auto* peers = runtime_.memory_peers();
+  if (peers == nullptr) return;
+  const auto mine = kMemoryPeerKeys + plan_.me.sort_key();
+  if (!rdzv_->read(mine)) rdzv_->publish(mine, peers->address());  // a store we failed over to
+  std::map<std::string, std::string> address_of;
+  for (auto& [key, value] : rdzv_->read_prefix(kMemoryPeerKeys)) address_of[key.substr(kMemoryPeerKeys.size())] = value;
+  const auto& members = round.members();
+  MemoryPeers::Round next{.generation = round.generation, .peers = {}, .local_ranks = {}};
+  const auto n = members.size();
+  for (std::size_t i = 1; i < n; ++i) {
+    const auto& m = members[(static_cast<std::size_t>(round.group_rank) + i) % n];
+    const auto it = address_of.find(m.sort_key());
+    next.peers.push_back(it == address_of.end() ? std::string() : it->second);
+  }
+  for (int r = 0; r < o_.nproc_per_node; ++r) next.local_ranks.push_back(round.rank_offset + r);
+  if (!next.peers.empty() && next.peers.front().empty())
+    spdlog::warn("warning: memory checkpoints: the partner {} published no address: no partner copies this round",
+                 members[(static_cast<std::size_t>(round.group_rank) + 1) % n].node_name);
+  peers->new_round(std::move(next));
 }
 
 // A worker's commit_fence request (the endpoint's thread): the round's fence, checked on the

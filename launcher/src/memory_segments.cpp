@@ -14,9 +14,19 @@
 
 namespace elastrun::launcher {
 
+std::string_view MemorySegments::to_string(Origin origin) {
+  switch (origin) {
+    case Origin::Own: return "own";
+    case Origin::Replica: return "replica";
+    case Origin::Fetched: return "fetched";
+  }
+  return "own";
+}
+
 std::uint64_t MemorySegments::used_locked() const {
   std::uint64_t total = 0;
   for (const auto& [key, segment] : segments_) total += segment.bytes;
+  for (const auto& [key, segment] : dropped_pinned_) total += segment.bytes;
   return total;
 }
 
@@ -29,6 +39,11 @@ std::uint64_t MemorySegments::spare_locked() const {
 void MemorySegments::drop_locked(const Key& key) {
   const auto it = segments_.find(key);
   if (it == segments_.end()) return;
+  if (it->second.pins > 0) {  // a peer is being sent it: reused only once that is done (unpin)
+    dropped_pinned_.emplace_back(key, std::move(it->second));
+    segments_.erase(it);
+    return;
+  }
   if (!it->second.handed_out) spares_.push_back(Spare{std::move(it->second.fd), it->second.bytes, key.rank});
   segments_.erase(it);
 }
@@ -63,6 +78,85 @@ util::UniqueFd MemorySegments::new_segment_locked(std::uint64_t step, int rank, 
 
 util::UniqueFd MemorySegments::allocate(std::uint64_t step, int rank, std::uint64_t bytes) {
   std::lock_guard lock(mutex_);
+  return allocate_locked(step, rank, bytes, false);
+}
+
+std::optional<util::UniqueFd> MemorySegments::allocate_copy(std::uint64_t step, int rank, std::uint64_t bytes) {
+  std::lock_guard lock(mutex_);
+  if (const auto it = segments_.find(Key{rank, step}); it != segments_.end() && it->second.committed)
+    return std::nullopt;
+  return allocate_locked(step, rank, bytes, true);
+}
+
+void MemorySegments::commit_copy(std::uint64_t step, int rank, std::uint64_t checksum, int world, Origin origin) {
+  std::lock_guard lock(mutex_);
+  const auto it = segments_.find(Key{rank, step});
+  if (it == segments_.end() || it->second.committed)
+    throw std::invalid_argument(fmt::format("no copy of step {} rank {} in progress", step, rank));
+  it->second.committed = true;
+  it->second.checksum = checksum;
+  it->second.world = world;
+  it->second.origin = origin;
+  retain_locked(step, rank);
+}
+
+void MemorySegments::discard(std::uint64_t step, int rank) {
+  std::lock_guard lock(mutex_);
+  if (const auto it = segments_.find(Key{rank, step}); it != segments_.end() && !it->second.committed)
+    drop_locked(it->first);
+}
+
+bool MemorySegments::adopt(std::uint64_t step, int rank) {
+  std::lock_guard lock(mutex_);
+  const auto it = segments_.find(Key{rank, step});
+  if (it == segments_.end() || !it->second.committed || it->second.origin != Origin::Replica) return false;
+  it->second.origin = Origin::Fetched;
+  return true;
+}
+
+std::optional<MemorySegments::Pinned> MemorySegments::pin(std::uint64_t step, int rank) {
+  std::lock_guard lock(mutex_);
+  const auto it = segments_.find(Key{rank, step});
+  if (it == segments_.end() || !it->second.committed) return std::nullopt;
+  util::UniqueFd copy(::fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0));
+  if (!copy) throw std::system_error(errno, std::generic_category(), "dup");
+  ++it->second.pins;
+  return Pinned(this, it->second.id, step, rank, std::move(copy), it->second.bytes, it->second.checksum,
+                it->second.world);
+}
+
+MemorySegments::Pinned::~Pinned() {
+  fd.reset();
+  if (owner_ != nullptr) owner_->unpin(id_);
+}
+
+void MemorySegments::unpin(std::uint64_t id) {
+  std::lock_guard lock(mutex_);
+  for (auto& [key, segment] : segments_)
+    if (segment.id == id) {
+      --segment.pins;
+      return;
+    }
+  for (auto it = dropped_pinned_.begin(); it != dropped_pinned_.end(); ++it)
+    if (it->second.id == id) {
+      if (--it->second.pins == 0) {
+        if (!it->second.handed_out)
+          spares_.push_back(Spare{std::move(it->second.fd), it->second.bytes, it->first.rank});
+        dropped_pinned_.erase(it);
+      }
+      return;
+    }
+}
+
+std::vector<MemorySegments::Held> MemorySegments::held() const {
+  std::lock_guard lock(mutex_);
+  std::vector<Held> out;
+  for (const auto& [k, s] : segments_)
+    if (s.committed) out.push_back({k.step, k.rank, s.world, s.origin});
+  return out;
+}
+
+util::UniqueFd MemorySegments::allocate_locked(std::uint64_t step, int rank, std::uint64_t bytes, bool for_copy) {
   const Key key{rank, step};
   if (bytes > budget_)
     throw MemoryBudgetError(fmt::format(
@@ -76,17 +170,29 @@ util::UniqueFd MemorySegments::allocate(std::uint64_t step, int rank, std::uint6
   const auto held_after = [&](std::optional<std::size_t> reuse) {
     return used_locked() + spare_locked() - (reuse ? spares_[*reuse].bytes : 0) + bytes;
   };
+  // Then replicas (copies held for the partner node: they yield to this node's own snapshots),
+  // oldest first; a copy makes room among older replicas only.
   auto reuse = best_spare_locked(bytes, rank);
   while (held_after(reuse) > budget_) {
     if (spares_.size() > (reuse ? 1u : 0u)) {
       free_spare_locked(reuse && *reuse == 0 ? 1 : 0);
     } else {
       const auto newest = newest_committed_locked();
-      std::optional<Key> oldest;
-      for (const auto& [k, s] : segments_)
-        if (s.committed && newest && k.step < *newest && (!oldest || k.step < oldest->step)) oldest = k;
-      if (!oldest) break;
-      drop_locked(*oldest);
+      std::optional<Key> oldest_replica, oldest;
+      for (const auto& [k, s] : segments_) {
+        if (!s.committed) continue;
+        if (s.origin == Origin::Replica && (!for_copy || k.step < step) &&
+            (!oldest_replica || k.step < oldest_replica->step))
+          oldest_replica = k;
+        if (!for_copy && newest && k.step < *newest && (!oldest || k.step < oldest->step)) oldest = k;
+      }
+      if (oldest_replica) {
+        drop_locked(*oldest_replica);
+      } else if (oldest) {
+        drop_locked(*oldest);
+      } else {
+        break;
+      }
     }
     reuse = best_spare_locked(bytes, rank);
   }
@@ -108,7 +214,11 @@ util::UniqueFd MemorySegments::allocate(std::uint64_t step, int rank, std::uint6
   }
   util::UniqueFd copy(::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
   if (!copy) throw std::system_error(errno, std::generic_category(), "dup");
-  segments_[key] = Segment{std::move(fd), bytes, 0, false};
+  Segment segment;
+  segment.fd = std::move(fd);
+  segment.bytes = bytes;
+  segment.id = next_id_++;
+  segments_[key] = std::move(segment);
   return copy;
 }
 
@@ -121,7 +231,7 @@ std::size_t MemorySegments::forget_after(std::uint64_t after_step) {
   return dropped.size();
 }
 
-void MemorySegments::commit(std::uint64_t step, int rank, std::uint64_t checksum) {
+void MemorySegments::commit(std::uint64_t step, int rank, std::uint64_t checksum, int world) {
   std::lock_guard lock(mutex_);
   const auto it = segments_.find(Key{rank, step});
   if (it == segments_.end())
@@ -131,7 +241,13 @@ void MemorySegments::commit(std::uint64_t step, int rank, std::uint64_t checksum
   if (!segment.committed) {
     segment.committed = true;
     segment.checksum = checksum;
+    segment.world = world;
+    segment.origin = Origin::Own;
   }
+  retain_locked(step, rank);
+}
+
+void MemorySegments::retain_locked(std::uint64_t step, int rank) {
   // retention, node-wide: the kKeepSteps newest committed steps (of any rank: ranks may be
   // renumbered by a re-form), and this rank's unfinished older snapshots
   std::set<std::uint64_t> steps;
@@ -183,7 +299,12 @@ nlohmann::json MemorySegments::list() const {
   std::lock_guard lock(mutex_);
   nlohmann::json segments = nlohmann::json::array();
   for (const auto& [k, s] : segments_)
-    segments.push_back({{"step", k.step}, {"rank", k.rank}, {"bytes", s.bytes}, {"committed", s.committed}});
+    segments.push_back({{"step", k.step},
+                        {"rank", k.rank},
+                        {"bytes", s.bytes},
+                        {"committed", s.committed},
+                        {"world", s.world},
+                        {"origin", to_string(s.origin)}});
   return {{"budget", budget_}, {"used", used_locked()}, {"spare", spare_locked()}, {"segments", std::move(segments)}};
 }
 

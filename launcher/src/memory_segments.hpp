@@ -20,6 +20,8 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -42,6 +44,13 @@ class MemorySegments {
 
   explicit MemorySegments(std::uint64_t budget_bytes) : budget_(budget_bytes) {}
 
+  // Where a committed segment came from (mem_list's "origin"): a worker of this node wrote it;
+  // a partner agent sent it for safekeeping (a copy of another node's snapshot: not this node's
+  // to restore from unless a re-form gives it that rank); or this agent fetched it from a peer
+  // for one of its ranks after a re-form (memory_peers.hpp).
+  enum class Origin { Own, Replica, Fetched };
+  static std::string_view to_string(Origin origin);
+
   // A writable segment of `bytes` for (step, rank), replacing an uncommitted one of the same key:
   // the spare that needs the fewest new pages (the same rank's first: its worker may still map it),
   // resized, else a new memfd. Spares, then committed
@@ -54,7 +63,64 @@ class MemorySegments {
   // write after this is caught by the checksum, checked before any restore); drops committed
   // steps beyond the kKeepSteps newest (any rank) and this rank's uncommitted older ones. Throws
   // std::invalid_argument for an unknown segment.
-  void commit(std::uint64_t step, int rank, std::uint64_t checksum);
+  // `world`: the world size that wrote it (0: not said), for "is step S complete job-wide".
+  void commit(std::uint64_t step, int rank, std::uint64_t checksum, int world = 0);
+
+  // ---- copies between agents (memory_peers.hpp) ----
+  // A writable segment for a copy of (step, rank) from another agent, std::nullopt when this node
+  // already holds that snapshot committed. Within the budget, making room among spares and older
+  // replicas only (a worker's allocate() drops replicas before the node's own older steps).
+  // Then commit_copy, or discard.
+  std::optional<util::UniqueFd> allocate_copy(std::uint64_t step, int rank, std::uint64_t bytes);
+  void commit_copy(std::uint64_t step, int rank, std::uint64_t checksum, int world, Origin origin);
+  void discard(std::uint64_t step, int rank);  // an uncommitted segment whose copy failed
+  // A replica of (step, rank) becomes this node's own to restore from (Origin::Fetched): a
+  // re-form gave this node that rank. False when it holds no such replica.
+  bool adopt(std::uint64_t step, int rank);
+
+  // A committed segment held still while it is read by another thread (sent to a peer): retention
+  // may drop it meanwhile, but its memory is reused only once every Pinned of it is gone.
+  class Pinned {
+   public:
+    Pinned(MemorySegments* owner, std::uint64_t id, std::uint64_t step, int rank, util::UniqueFd fd,
+           std::uint64_t bytes, std::uint64_t checksum, int world)
+        : step(step),
+          rank(rank),
+          bytes(bytes),
+          checksum(checksum),
+          world(world),
+          fd(std::move(fd)),
+          owner_(owner),
+          id_(id) {}
+    Pinned(Pinned&& o) noexcept
+        : step(o.step),
+          rank(o.rank),
+          bytes(o.bytes),
+          checksum(o.checksum),
+          world(o.world),
+          fd(std::move(o.fd)),
+          owner_(std::exchange(o.owner_, nullptr)),
+          id_(o.id_) {}
+    Pinned& operator=(Pinned&&) = delete;
+    ~Pinned();
+    std::uint64_t step = 0;
+    int rank = 0;
+    std::uint64_t bytes = 0, checksum = 0;
+    int world = 0;
+    util::UniqueFd fd;  // a duplicate of the segment's descriptor: read with pread/sendfile at offsets
+
+   private:
+    MemorySegments* owner_;
+    std::uint64_t id_;
+  };
+  std::optional<Pinned> pin(std::uint64_t step, int rank);
+
+  struct Held {
+    std::uint64_t step = 0;
+    int rank = 0, world = 0;
+    Origin origin = Origin::Own;
+  };
+  std::vector<Held> held() const;  // the committed segments
 
   struct Found {
     std::uint64_t step = 0, bytes = 0, checksum = 0;
@@ -85,6 +151,10 @@ class MemorySegments {
     util::UniqueFd fd;
     std::uint64_t bytes = 0, checksum = 0;
     bool committed = false;
+    int world = 0;
+    Origin origin = Origin::Own;
+    int pins = 0;          // Pinned copies alive: its memory is not reused until they are gone
+    std::uint64_t id = 0;  // unique in this agent: what a Pinned names
     // find() gave a reader a descriptor of it: when dropped it is freed, never reused -- a reader
     // may still hold it, and must not see another snapshot's bytes (or a shorter file) in it
     bool handed_out = false;
@@ -100,12 +170,18 @@ class MemorySegments {
   std::optional<std::size_t> best_spare_locked(std::uint64_t bytes, int rank) const;
   void drop_locked(const Key& key);  // the segment becomes a spare (unless handed out)
   void free_spare_locked(std::size_t index);
+  util::UniqueFd allocate_locked(std::uint64_t step, int rank, std::uint64_t bytes, bool for_copy);
   util::UniqueFd new_segment_locked(std::uint64_t step, int rank, std::uint64_t bytes);
 
   const std::uint64_t budget_;
   mutable std::mutex mutex_;
   std::map<Key, Segment> segments_;  // by rank, then step: a rank's steps are neighbours, oldest first
   std::vector<Spare> spares_;        // dropped segments, oldest first
+  // dropped while pinned: (key, segment); a spare when its last pin goes
+  std::vector<std::pair<Key, Segment>> dropped_pinned_;
+  void unpin(std::uint64_t id);
+  std::uint64_t next_id_ = 1;
+  void retain_locked(std::uint64_t step, int rank);
 };
 
 }  // namespace elastrun::launcher

@@ -50,6 +50,10 @@ void NodeRuntime::enable_memory_checkpoints(std::uint64_t budget_bytes) {
   memory_ = std::make_unique<MemorySegments>(budget_bytes);
 }
 
+void NodeRuntime::enable_memory_peers(PeerCredentials credentials, const std::string& bind_address) {
+  memory_peers_ = std::make_unique<MemoryPeers>(*memory_, std::move(credentials), bind_address);
+}
+
 MemorySegments& NodeRuntime::memory_or_refuse() {
   if (!memory_)
     throw std::invalid_argument("memory checkpoints are off on this node: start elastrun with --memory-checkpoints");
@@ -78,10 +82,15 @@ worker::NodeReply NodeRuntime::answer(const nlohmann::json& request) {
             memory_or_refuse().allocate(field<std::uint64_t>(request, "step"), field<int>(request, "rank"), bytes)};
   }
   if (name == op::kMemCommit) {
-    memory_or_refuse().commit(field<std::uint64_t>(request, "step"), field<int>(request, "rank"),
-                              field<std::uint64_t>(request, "checksum"));
+    const auto step = field<std::uint64_t>(request, "step");
+    const int rank = field<int>(request, "rank");
+    memory_or_refuse().commit(step, rank, field<std::uint64_t>(request, "checksum"), request.value("world", 0));
+    if (memory_peers_) memory_peers_->committed(step, rank);
     return {};
   }
+  // a restore's requests: after this round's fetch from the peers (a bounded wait)
+  if (memory_peers_ && (name == op::kMemGet || name == op::kMemList))
+    memory_peers_->wait_for_fetch(std::chrono::seconds(30));
   if (name == op::kMemGet) {
     const int rank = field<int>(request, "rank");
     std::optional<std::uint64_t> step;

@@ -27,6 +27,7 @@
 #include <nlohmann/json.hpp>
 
 #include "events.hpp"
+#include "memory_peers.hpp"
 #include "memory_segments.hpp"
 #include "metrics.hpp"
 #include "node_endpoint.hpp"
@@ -84,6 +85,10 @@ class NodeRuntime {
   // ---- the memory checkpoint tier (off until enabled: its requests are refused) ----
   void enable_memory_checkpoints(std::uint64_t budget_bytes);
   MemorySegments* memory() { return memory_.get(); }
+  // Partner copies between agents (memory_peers.hpp), after enable_memory_checkpoints. Throws
+  // std::system_error when it cannot listen on bind_address.
+  void enable_memory_peers(PeerCredentials credentials, const std::string& bind_address);
+  MemoryPeers* memory_peers() { return memory_peers_.get(); }
 
   // ---- fenced checkpoint commits (commit_fence: refused until set) ----
   // Answers "may this node's round commit WHAT?": the token to go ahead, or throws why not.
@@ -115,7 +120,8 @@ class NodeRuntime {
   std::optional<Watchdog> watchdog_;
   std::optional<PreloadConfig> preload_;
   std::unique_ptr<ProcessBackend> backend_;
-  std::unique_ptr<MemorySegments> memory_;  // before the endpoint that serves it
+  std::unique_ptr<MemorySegments> memory_;     // before the endpoint that serves it
+  std::unique_ptr<MemoryPeers> memory_peers_;  // after the segments it copies, before the endpoint
   Identity identity_;
   mutable std::mutex status_mutex_;
   Status status_;

@@ -85,13 +85,15 @@ class SaveInfo:
 class LoadInfo:
     """What load() restored: the step, its directory ("memory" when it came from the agents'
     memory), the metadata passed to save(), why newer steps were skipped (damage found on some
-    rank) and where it came from (`source`: "file" or "memory-local")."""
+    rank) and where it came from (`source`: "file", "memory-local" or "memory-partner")."""
 
     step: int
     path: str
     metadata: Dict[str, Any]
     skipped: List[str] = field(default_factory=list)
-    source: str = "file"  # or "memory-local": this node's agent held it (load(memory=True))
+    # or "memory-local": every rank's snapshot was written on its own node; "memory-partner": some
+    # rank's was copied from a peer agent (a node lost, a rank moved: load(memory=True))
+    source: str = "file"
 
 
 # ---- tensors <-> DLPack entries -------------------------------------------------------------------
@@ -451,14 +453,14 @@ class _MemoryCommit:
     (XXH3-64, without the GIL) and commits it. AsyncSaver runs it on a thread, so that training is
     blocked only for the copy."""
 
-    def __init__(self, segment: "_memory.Segment", rank: int, total: int):
-        self.segment, self.rank, self.total = segment, rank, total
+    def __init__(self, segment: "_memory.Segment", rank: int, total: int, world: int):
+        self.segment, self.rank, self.total, self.world = segment, rank, total, world
 
     def finish(self) -> SaveInfo:
         segment = self.segment
         try:
             with segment:
-                segment.commit(_core.xxh3(segment.buffer))
+                segment.commit(_core.xxh3(segment.buffer), self.world)
         except _memory.MemoryTierError as e:
             raise CheckpointError(f"rank {self.rank}: memory snapshot of step {segment.step}: {e}") from None
         return SaveInfo(segment.step, "memory", self.total)
@@ -502,8 +504,8 @@ def _save_to_memory(state_dict: Dict[str, Any], step: int, metadata: Optional[Di
             if background:
                 _core.copy_and_hash(buffer, pieces, hash=False)
                 handed_over = True
-                return _MemoryCommit(segment, rank, total)
-            segment.commit(_core.copy_and_hash(buffer, pieces))
+                return _MemoryCommit(segment, rank, total, world)
+            segment.commit(_core.copy_and_hash(buffer, pieces), world)
         finally:
             if not handed_over:
                 segment.__exit__(None, None, None)  # an uncommitted segment is released, never restored
@@ -513,10 +515,12 @@ def _save_to_memory(state_dict: Dict[str, Any], step: int, metadata: Optional[Di
 
 
 def _newest_in_memory(tier: _memory.MemoryTier) -> int:
-    """The newest step this node's agent holds a committed snapshot of (any rank), or -1 (also when
-    the agent cannot be asked: this rank must still vote, or its peers would wait for it)."""
+    """The newest step this node's agent holds a committed snapshot of (any rank; not the replicas it
+    keeps for its partner node), or -1 (also when the agent cannot be asked: this rank must still
+    vote, or its peers would wait for it)."""
     try:
-        steps = [int(s["step"]) for s in tier.list().get("segments", []) if s.get("committed")]
+        steps = [int(s["step"]) for s in tier.list().get("segments", [])
+                 if s.get("committed") and s.get("origin", "own") != "replica"]
     except (OSError, ValueError, KeyError, _memory.MemoryTierError) as e:
         print(f"elastrun.checkpoint: asking this node's agent for memory snapshots: {e}", file=sys.stderr, flush=True)
         return -1
@@ -525,9 +529,13 @@ def _newest_in_memory(tier: _memory.MemoryTier) -> int:
 
 def _open_from_memory(tier: _memory.MemoryTier, step: int, rank: int, world: int, problems: List[str]):
     """(snapshot, header) of `step` from this node's agent that this rank can restore from: its own
-    rank's, else (everything replicated) any rank's; checked (magic, checksum). None if none."""
-    ranks = sorted({int(s["rank"]) for s in tier.list().get("segments", [])
-                    if s.get("committed") and int(s["step"]) == step}, key=lambda r: (r != rank, r))
+    rank's, else (everything replicated) any rank's -- one written here before one copied from a
+    peer; checked (magic, checksum). The header's "origin" says where the agent got it. None if none."""
+    origins = {}
+    for s in tier.list().get("segments", []):
+        if s.get("committed") and int(s["step"]) == step:
+            origins.setdefault(int(s["rank"]), s.get("origin", "own"))
+    ranks = sorted(origins, key=lambda r: (r != rank, origins[r] != "own", r))
     for r in ranks:
         snapshot = tier.open(r, step)
         if snapshot is None:
@@ -542,6 +550,7 @@ def _open_from_memory(tier: _memory.MemoryTier, step: int, rank: int, world: int
                 (length,) = struct.unpack("<Q", start[8:16])
                 header = json.loads(snapshot.read(16, length))
                 header["data_start"] = _aligned(16 + length)
+                header["origin"] = origins[r]
                 sharded = any(entry[5] is not None for entry in header["tensors"])
                 if not sharded or (r == rank and header["world_size"] == world):
                     result, snapshot = (snapshot, header), None
@@ -608,7 +617,12 @@ def _restore_from_memory(state_dict: Dict[str, Any], ckpt_dir: Optional[str], ti
         elif not problems:
             problems.append(f"this node's agent holds no snapshot of step {step} for rank {rank}")
         # The caller's tensors are written only once every rank knows it can restore this step.
-        usable = [json.loads(v) for v in _allgather(comm, {"ok": plan is not None, "why": problems[:1]})]
+        mine_from = None
+        if plan is not None:
+            mine_from = (f"rank {opened[1]['rank']}'s snapshot, "
+                         + ("written on this node" if opened[1]["origin"] == "own" else "copied from a peer agent"))
+        usable = [json.loads(v) for v in _allgather(comm, {"ok": plan is not None, "why": problems[:1],
+                                                           "partner": plan is not None and opened[1]["origin"] != "own"})]
         if not all(v["ok"] for v in usable):
             if rank == 0:
                 why = next((f"rank {r}: {v['why'][0]}" for r, v in enumerate(usable) if v["why"]), "")
@@ -631,7 +645,10 @@ def _restore_from_memory(state_dict: Dict[str, Any], ckpt_dir: Optional[str], ti
     finally:
         if opened is not None:
             opened[0].close()
-    return LoadInfo(step, "memory", plan.metadata, [], source="memory-local")
+    print(f"elastrun.checkpoint: rank {rank} restored step {step} from the agents' memory: {mine_from}",
+          file=sys.stderr, flush=True)
+    source = "memory-partner" if any(v.get("partner") for v in usable) else "memory-local"
+    return LoadInfo(step, "memory", plan.metadata, [], source=source)
 
 
 def _allgather(comm: Any, value: Dict[str, Any]) -> List[bytes]:

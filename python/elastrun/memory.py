@@ -79,13 +79,13 @@ class MemoryTier:
             raise MemoryTierError("memory checkpoint tier: the agent's reply carried no segment")
         return Segment(self, step, rank, fd, nbytes)
 
-    def put(self, step: int, rank: int, payload, checksum: int = 0) -> None:
+    def put(self, step: int, rank: int, payload, checksum: int = 0, world: int = 0) -> None:
         """Copies `payload` (any bytes-like object) into a new segment of (step, rank) and commits it."""
         view = memoryview(payload).cast("B")
         with self.allocate(step, rank, view.nbytes) as segment:
             if view.nbytes:
                 segment.buffer[:] = view
-            segment.commit(checksum)
+            segment.commit(checksum, world)
 
     def open(self, rank: int, step: Optional[int] = None) -> Optional["Snapshot"]:
         """The newest (or the given) committed snapshot of `rank`, opened read-only: ``read()``
@@ -115,7 +115,9 @@ class MemoryTier:
             return snapshot.step, bytes(snapshot.buffer), snapshot.checksum
 
     def list(self) -> dict:
-        """The agent's budget, bytes in use and segments."""
+        """The agent's budget, bytes in use and segments (each: step, rank, bytes, committed, world,
+        origin -- "own": written on this node; "fetched": copied from a peer agent for this node's
+        ranks after a re-form; "replica": held for the partner node, not this node's to restore)."""
         return self._ask(_contract.NODE_OP_MEM_LIST)[0]
 
     def forget_after(self, step: int) -> int:
@@ -141,10 +143,11 @@ class Segment:
         self.buffer.release()  # raises BufferError while a caller still holds a view into it
         self._mapping = None
 
-    def commit(self, checksum: int = 0) -> None:
-        """Releases its buffer (nothing writes into a committed snapshot) and commits it."""
+    def commit(self, checksum: int = 0, world: int = 0) -> None:
+        """Releases its buffer (nothing writes into a committed snapshot) and commits it. `world`:
+        the world size that wrote it (the agents tell from it when a step is complete job-wide)."""
         self._unmap()
-        self.tier._ask(_contract.NODE_OP_MEM_COMMIT, step=self.step, rank=self.rank, checksum=checksum)
+        self.tier._ask(_contract.NODE_OP_MEM_COMMIT, step=self.step, rank=self.rank, checksum=checksum, world=world)
 
     def __enter__(self) -> "Segment":
         return self

@@ -86,11 +86,17 @@ class MemoryTier {
   }
 
   // Unmaps `segment` and tells the agent it is complete (nothing writes into it after this).
-  void commit(MemorySegment segment, std::uint64_t checksum) {
+  // `world`: the world size that wrote it -- the agents need it to tell when a step is complete
+  // job-wide (every rank's snapshot held somewhere), which a restore after a node loss relies on.
+  void commit(MemorySegment segment, std::uint64_t checksum, int world = 0) {
     const auto step = segment.step();
     const int rank = segment.rank();
     segment.unmap();
-    ask({{"op", contract::node_op::kMemCommit}, {"step", step}, {"rank", rank}, {"checksum", checksum}});
+    ask({{"op", contract::node_op::kMemCommit},
+         {"step", step},
+         {"rank", rank},
+         {"checksum", checksum},
+         {"world", world}});
   }
 
   // The newest committed segment of `rank` (or the one of `step`), mapped read-only; nullopt when
@@ -110,7 +116,9 @@ class MemoryTier {
     return ask({{"op", contract::node_op::kMemForget}, {"after_step", step}}).body.value("dropped", std::size_t{0});
   }
 
-  // mem_list's reply: budget, used, segments.
+  // mem_list's reply: budget, used, segments ({"step","rank","bytes","committed","world","origin"};
+  // origin "own": written on this node, "fetched": copied from a peer for this node's ranks after
+  // a re-form, "replica": held for the partner node -- not this node's to restore from).
   nlohmann::json list() { return ask({{"op", contract::node_op::kMemList}}).body; }
 
  private:

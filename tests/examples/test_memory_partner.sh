@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Partner copies of the memory tier (docs/launcher.md, "Partner copies"): three agents on this
+# machine (--rdzv-endpoint, no Slurm), --nnodes=2, so the third waits as a spare; the Python
+# trainer snapshots into the agents' memory every step, each agent sends its node's snapshots to its
+# partner (the next member in round order). kill -9 of the second agent (node 1, ranks 2-3) with
+# its workers: the spare takes ranks 2-3, fetches their snapshots from the first agent (which held
+# them as the lost node's partner) and the job resumes from the agents' memory, not from the
+# file tier:
+#   - the resumed event says source "memory-partner", at most 2 steps before the newest step reached;
+#   - the spare's agent logs what it fetched, and from whom; the restore logs one line per rank;
+#   - the final model equals a failure-free world-1 run (`elastrun-ckpt diff` exits 0);
+#   - no memory segment is left behind (memfds: nothing in /dev/shm to look for; the agents exit).
+# Usage: test_memory_partner.sh path/to/elastrun path/to/elastrun-ckpt SOURCE_DIR
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
+elastrun=$1 tool=$2 source_dir=$3
+train=$source_dir/examples/python/train.py
+sandbox --tmpdir
+out=$SANDBOX
+show_on_failure 60 "$out/*.log"
+export OMP_NUM_THREADS=1
+unset_env '^(RANK|WORLD_SIZE|LOCAL_RANK|MASTER_ADDR|MASTER_PORT|ELASTRUN_.*|TORCHELASTIC_.*|SLURM_.*|PET_.*)$'
+export ELASTRUN_PYTHON=/usr/bin/python3
+steps=(--steps 40 --ckpt-every 10 --keep-last 0)
+
+# A: the failure-free reference, world 1, no agent
+timeout 300 /usr/bin/python3 "$train" "${steps[@]}" --ckpt-dir "$out/a" >"$out/a.log" 2>&1 || fail "A exited $?"
+
+port=$(free_port)
+agent() {  # agent NAME NODE_RANK: one agent in the background (pid in pid_NAME)
+  local name=$1 node_rank=$2
+  "$elastrun" --nnodes=2 --nproc-per-node=2 --rdzv-endpoint=127.0.0.1:$port --rdzv-id=partner \
+    --rdzv-conf=is_host=$((node_rank == 0 ? 1 : 0)),last_call_timeout=1 --node-rank="$node_rank" \
+    --max-restarts=1 --memory-checkpoints=16M --monitor-interval=0.1 --events "$out/$name.events" \
+    "$train" "${steps[@]}" --memory-every 1 --step-ms 150 --ckpt-dir "$out/p" >"$out/$name.log" 2>&1 &
+  printf -v "pid_$name" '%s' "$!"
+  track_pid "$!"
+}
+agent n0 0
+agent n1 1
+wait_for -i 0.2 60 grep -q "round 1 formed" "$out/n0.log" || fail "no round formed"
+agent spare 2
+reached() { /usr/bin/python3 -c '
+import sys, elastrun.events
+steps = [e["step"] for e in elastrun.events.read([sys.argv[1]]) if e["event"] == "step"]
+sys.exit(0 if steps and max(steps) >= 17 else 1)' "$out/n0.events"; }
+wait_for -i 0.2 -a "$pid_n0" "agent n0 exited early" 120 reached || fail "training did not reach step 17"
+grep -q "partner copies served on 127.0.0.1:" "$out/n1.log" || fail "agent n1 serves no partner copies"
+kill -9 "$pid_n1"
+await "$pid_n1" || true
+rc=0
+wait_for 180 exited "$pid_n0" "$pid_spare" || fail "the job did not finish after the loss"
+await "$pid_n0" || rc=$?
+((rc == 0)) || fail "agent n0 exited $rc"
+await "$pid_spare" || rc=$?
+((rc == 0)) || fail "the spare's agent exited $rc"
+
+grep -Eq "memory checkpoints: step [0-9]+ \(world 4\) for this node's ranks: rank 2 from 127\.0\.0\.1:[0-9]+, rank 3 from 127\.0\.0\.1:[0-9]+" \
+  "$out/spare.log" || fail "the spare did not fetch ranks 2 and 3 from a peer"
+for r in 0 1; do
+  grep -Eq "\[rank $r\] elastrun\.checkpoint: rank $r restored step [0-9]+ from the agents' memory: rank $r's snapshot, written on this node" \
+    "$out/n0.log" || fail "rank $r: no line saying where its snapshot came from"
+done
+for r in 2 3; do
+  grep -Eq "\[rank $r\] elastrun\.checkpoint: rank $r restored step [0-9]+ from the agents' memory: rank $r's snapshot, copied from a peer agent" \
+    "$out/spare.log" || fail "rank $r: not restored from a copy fetched from a peer"
+done
+/usr/bin/python3 - "$out/n0.events" <<'PY' || fail "the events"
+import sys
+import elastrun.events
+events = elastrun.events.read([sys.argv[1]])
+resumed = [i for i, e in enumerate(events) if e["event"] == "resumed"]
+assert len(resumed) == 1, [events[i] for i in resumed]
+r = events[resumed[0]]
+assert r["source"] == "memory-partner" and r["world_size"] == 4 and r["saved_world_size"] == 4, r
+reached = max(e["step"] for e in events[:resumed[0]] if e["event"] == "step")
+assert reached - r["step"] <= 2, f"resumed at step {r['step']}, {reached} reached: more than 2 steps lost"
+print(f"resumed from step {r['step']} in the agents' memory (partner copies); {reached} reached: "
+      f"{reached - r['step']} step(s) lost")
+PY
+rc=0
+"$tool" diff "$out/a" "$out/p" >"$out/diff.log" 2>&1 || rc=$?
+((rc == 0)) || fail "diff A P exited $rc: $(cat "$out/diff.log")"
+grep -q "^a: .* (step 40, world size 1)$" "$out/diff.log" || fail "diff A P did not compare step 40"
+echo "ok: node 1 lost -> the spare fetched ranks 2-3 from its partner's copies; resumed from memory;" \
+  "$(sed -n 's/^\(max |Δ| = [^ ]*\) over .*/\1/p' "$out/diff.log") vs the failure-free run"
