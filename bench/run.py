@@ -388,8 +388,26 @@ def memory_figures(figs, raw, why=None):
              f"CPU-bound training step with a {raw['train_mib']} MiB AsyncSaver memory snapshot per rank after every "
              "step", "s", "lower",
              snap, "the same steps without snapshots", plain, (">=", 1 / 1.05, "<= 5 % slower"),
-             f"{raw['nprocs']} ranks, matrix products (~1 s per step), alternating blocks; replication to a partner "
-             "node is not built yet (no CPU seconds of it to report)")
+             f"{raw['nprocs']} ranks, matrix products (~1 s per step), alternating blocks; one node, so no partner "
+             "copies here: what a copy costs the agents is memory.partner_copy_cpu")
+
+
+def memory_peer_figures(figs, raw, why=None):
+    if why or not raw:
+        figs.add("memory.restore_partner", "memory", "a lost node's shard fetched from its partner agent", "GB/s",
+                 "higher", [], "loopback TCP throughput (one connection, same run)", [], why=why or "not run")
+        return
+    figs.add("memory.restore_partner", "memory", f"a lost node's shard ({raw['mib']} MiB) fetched from its partner agent",
+             "GB/s", "higher", raw["fetch_gbs"], "loopback TCP throughput (one connection, same run)", raw["tcp_gbs"],
+             (">=", 0.7, ">= 0.7x loopback TCP"),
+             "peer_fetch (bench/memory_peers_bench.cpp): an authenticated request, sendfile from the holder's memfd, "
+             "received into memory retention freed before (a node that holds snapshots)")
+    figs.add("memory.restore_partner_fresh", "memory", "the same into fresh memory (a spare's first restore)", "GB/s",
+             "higher", raw["fetch_fresh_gbs"], "loopback TCP throughput", raw["tcp_gbs"], None,
+             "fresh pages are faulted in and zeroed at their first write (see memory.snapshot_vs_fresh_memcpy)")
+    figs.add("memory.partner_copy_cpu", "memory", f"CPU seconds per partner copy of {raw['mib']} MiB (sender + receiver)",
+             "s", "lower", raw["push_cpu_s"], "loopback TCP of the same bytes (both ends)", raw["tcp_cpu_s"], None,
+             "what replication costs the two agents per snapshot sent (both in one process here)")
 
 
 def testbed_figures(figs, raw, why=None):
@@ -766,7 +784,7 @@ def main():
     bad = [g for g in only if g not in GROUPS]
     if bad:
         sys.exit(f"bench/run.py: unknown group(s) {', '.join(bad)}; choose from {', '.join(GROUPS)}")
-    for exe in ("ckpt_bench", "rdzv_bench", "rdzv_member", "elastrun"):
+    for exe in ("ckpt_bench", "rdzv_bench", "rdzv_member", "memory_peers_bench", "elastrun"):
         if not os.access(os.path.join(args.bin, exe), os.X_OK):
             sys.exit(f"bench/run.py: {os.path.join(args.bin, exe)} missing; build first (scripts/setup) or pass --bin")
     os.makedirs(out, exist_ok=True)
@@ -826,6 +844,13 @@ def main():
             raw["memory"] = json.load(open(mj)) if os.path.exists(mj) else None
             memory_figures(figs, raw["memory"],
                            why=None if raw["memory"] else f"memory_bench failed: {r.stderr.strip().splitlines()[-1:]}")
+            log("memory: partner copies between agents vs loopback TCP")
+            pj = os.path.join(work, "memory_peers.json")
+            r = run([os.path.join(args.bin, "memory_peers_bench"), "--mib", str(mib), "--reps", str(runs), "--json", pj],
+                    1800)
+            raw["memory_peers"] = json.load(open(pj)) if os.path.exists(pj) else None
+            memory_peer_figures(figs, raw["memory_peers"], why=None if raw["memory_peers"] else
+                                f"memory_peers_bench failed: {r.stderr.strip().splitlines()[-1:]}")
         if "launcher" in only:
             log("launcher: elastrun vs torchrun (alternated)")
             nprocs = [2] if args.quick else [1, 2, 4]

@@ -17,8 +17,10 @@
 #   node_loss     elastic.sbatch, 4 nodes x 2; kill-node n3 mid-run: n3 lost, a round of world 6
 #   shrink        elastic.sbatch, 4 nodes x 2; scontrol update NumNodes=3 mid-run: Slurm releases a
 #                 node and ends its step tasks, the survivors re-form with world 6
-#   spare         spares.sbatch, 4 nodes x 2 with 1 spare (3 train, world 6); kill-node of a training
-#                 node other than n1: the spare is admitted, the world stays 6, no restart counted
+#   spare         spares.sbatch, 4 nodes x 2 with 1 spare (3 train, world 6), a memory snapshot
+#                 every step; kill-node of a training node other than n1: the spare is admitted, the
+#                 world stays 6, no restart counted, and the job resumes from the copies the lost
+#                 node's partner held and the spare fetched (source memory-partner, <= 2 steps lost)
 #   time_limit    requeue.sbatch, 2 nodes x 2; scancel --signal=USR1 (what --signal=USR1@T sends):
 #                 checkpoint-and-stop, requeue (Restarts=1), the second run resumes and completes
 #   two_faults    elastic.sbatch, 4 nodes x 2; kill-node n3, then rank 1 exits 1 at step 30 in the
@@ -273,7 +275,8 @@ assert len({e["member"] for e in events if e["event"] == "member_lost"}) == 1, "
   scontrol show job "$shrunk" | grep -q "NumNodes=3" || fail "job $shrunk does not show NumNodes=3 after the shrink"
   ;;
 spare)
-  submit 4 spares.sbatch SPARES=1 -- "${agent_args[@]}" "${trainer[@]}" "${train_args[@]}" --step-ms 150
+  submit 4 spares.sbatch SPARES=1 -- "${agent_args[@]}" --memory-checkpoints=64M "${trainer[@]}" "${train_args[@]}" \
+    --step-ms 150 --memory-every 1
   wait_past_step 12
   victim=$(/usr/bin/python3 -c '
 import glob, sys, elastrun.events as ev
@@ -287,7 +290,11 @@ assert worlds[0] == 6 and worlds[-1] == 6 and len(worlds) >= 2, 'expected world 
 assert {e['member'] for e in events if e['event'] == 'member_lost'} == {'$victim'}, 'expected $victim lost'
 members = [e['members'] for e in rounds]
 assert '$victim' not in members[-1] and len(members[-1]) == 3, f'the last round should be 3 nodes without $victim: {members[-1]}'
-assert not any(e['event'] == 'failure_decision' and e['action'] == 'restart' for e in events), 'a node loss counted as a restart'"
+assert not any(e['event'] == 'failure_decision' and e['action'] == 'restart' for e in events), 'a node loss counted as a restart'
+at = [i for i, e in enumerate(events) if e['event'] == 'resumed']
+assert at and events[at[-1]]['source'] == 'memory-partner', f'expected a restore from the partner copies: {[events[i] for i in at]}'
+reached = max(e['step'] for e in events[:at[-1]] if e['event'] == 'step')
+assert reached - events[at[-1]]['step'] <= 2, f'resumed at step {events[at[-1]][\"step\"]} after step {reached}: more than 2 steps lost'"
   ;;
 time_limit)
   submit 2 requeue.sbatch CKPT="$ckpt" -- --log-dir "$out/logs" ${preload:+"$preload"} "${trainer[@]}" "${train_args[@]}" --step-ms 100
