@@ -669,7 +669,8 @@ class Trainer {
     nlohmann::json meta;
     elastrun::worker::MemorySegment segment;
     std::size_t data_offset = 0;
-    std::string origin = "own";  // the agent's: own, fetched (from a peer), replica
+    std::string origin = "own";   // the agent's: own, fetched (from a peer), replica
+    std::int64_t generation = 0;  // the rendezvous round that wrote it
   };
   std::optional<MemorySnapshot> memory_snapshot(std::optional<std::uint64_t> want = std::nullopt) {
     if (!memory_) return std::nullopt;
@@ -679,6 +680,7 @@ class Trainer {
       // is the newest this node's ranks wrote or were given
       std::optional<std::pair<std::uint64_t, int>> best;
       std::string origin;
+      std::int64_t generation = 0;
       for (const auto& s : listing.at("segments")) {
         const auto from = s.value("origin", std::string("own"));
         if (s.at("committed").get<bool>() && (!want || s.at("step").get<std::uint64_t>() == *want) &&
@@ -687,6 +689,7 @@ class Trainer {
              (s.at("step").get<std::uint64_t>() == best->first && origin == "replica"))) {
           best = {s.at("step").get<std::uint64_t>(), s.at("rank").get<int>()};
           origin = from;
+          generation = s.value("generation", std::int64_t{0});
         }
       }
       if (!best) return std::nullopt;
@@ -713,7 +716,7 @@ class Trainer {
           meta.at("seed").get<std::uint64_t>() != args_.seed || meta.at("step").get<std::uint64_t>() != best->first)
         return std::nullopt;
       return MemorySnapshot{best->first, std::move(meta), std::move(*segment), sizeof header_size + header_size,
-                            origin};
+                            origin,      generation};
     } catch (const std::exception& e) {
       log("warning: reading the memory snapshot: {}", e.what());
       return std::nullopt;
@@ -755,6 +758,19 @@ class Trainer {
     if (have == 0) {
       if (rank_ == 0) log("memory snapshot of step {} not on every rank: using the file tier", memory_step);
       return std::nullopt;
+    }
+    // one step written in two rendezvous rounds is two histories (a node that was cut off and came
+    // back): never restored together
+    if (pg_) {
+      auto t = torch::tensor({snapshot->generation, -snapshot->generation}, torch::kInt64);
+      std::vector<torch::Tensor> bufs{t};
+      pg_->allreduce(bufs, c10d::AllreduceOptions{c10d::ReduceOp::MIN})->wait();
+      if (t[0].item<std::int64_t>() != -t[1].item<std::int64_t>()) {
+        if (rank_ == 0)
+          log("the memory snapshots of step {} were written in different rendezvous rounds: using the file tier",
+              memory_step);
+        return std::nullopt;
+      }
     }
     // where the pieces came from: any rank's from a peer agent makes the restore "memory-partner"
     std::int64_t from_partner = snapshot->origin == "own" ? 0 : 1;

@@ -301,6 +301,7 @@ Transition Agent::monitor() {
   log_state("MONITOR", "");
   std::vector<WorkerExit> seen;  // this attempt's exits so far, for CHECKPOINT_STOP
   bool checkpointed = false;
+  std::optional<Change> scale_up;  // seen by wait_for_change, acted on after one more look at the exits
   while (true) {
     if (int sig = signals_.checkpoint_signal(); sig && !signals_.stop_signal())
       return states::CheckpointStop{stop_for_signal(sig), std::move(seen)};
@@ -333,8 +334,13 @@ Transition Agent::monitor() {
     watch_for_hangs();
     watch_stragglers();
     if (auto unhealthy = watch_node_health()) return exit_with(*unhealthy);
-    if (const Change change = wait_for_change(o_.monitor_interval); change != Change::None)
-      return states::MembershipChanged{change};
+    if (scale_up) return states::MembershipChanged{*scale_up};
+    if (const Change change = wait_for_change(o_.monitor_interval); change != Change::None) {
+      // A node waiting to join: first one more look at our workers -- when they have just finished,
+      // the job is done (SUCCEEDED: the others' exit barrier waits for us), not to be re-formed.
+      if (change != Change::MemberWaiting) return states::MembershipChanged{change};
+      scale_up = change;
+    }
   }
 }
 

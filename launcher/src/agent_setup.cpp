@@ -243,7 +243,8 @@ void Agent::memory_peers_round(const RoundResult& round) {
   std::map<std::string, std::string> address_of;
   for (auto& [key, value] : rdzv_->read_prefix(kMemoryPeerKeys)) address_of[key.substr(kMemoryPeerKeys.size())] = value;
   const auto& members = round.members();
-  MemoryPeers::Round next{.generation = round.generation, .peers = {}, .local_ranks = {}};
+  MemoryPeers::Round next{
+      .generation = round.generation, .peers = {}, .local_ranks = {}, .world_size = round.world_size};
   const auto n = members.size();
   for (std::size_t i = 1; i < n; ++i) {
     const auto& m = members[(static_cast<std::size_t>(round.group_rank) + i) % n];

@@ -118,8 +118,11 @@ Origin origin_of(std::string_view text) {
 nlohmann::json to_json(const std::vector<Held>& held) {
   auto out = nlohmann::json::array();
   for (const auto& h : held)
-    out.push_back(
-        {{"step", h.step}, {"rank", h.rank}, {"world", h.world}, {"origin", MemorySegments::to_string(h.origin)}});
+    out.push_back({{"step", h.step},
+                   {"rank", h.rank},
+                   {"world", h.world},
+                   {"generation", h.generation},
+                   {"origin", MemorySegments::to_string(h.origin)}});
   return out;
 }
 
@@ -164,40 +167,48 @@ auto with_peer(const std::string& address, std::string_view what, Body&& body) {
 }  // namespace
 
 std::optional<FetchPlan> plan_fetches(const std::vector<Held>& mine, const std::vector<std::vector<Held>>& peers,
-                                      const std::vector<int>& local_ranks) {
+                                      const std::vector<int>& local_ranks, int new_world) {
+  // a step's snapshots count together only when one round wrote them (one history)
   struct StepView {
     int world = 0;
     std::set<int> ranks;
   };
-  std::map<std::uint64_t, StepView> steps;
+  std::map<std::pair<std::uint64_t, std::uint64_t>, StepView> steps;  // (step, generation)
   const auto add = [&](const Held& h) {
-    auto& view = steps[h.step];
+    auto& view = steps[{h.step, h.generation}];
     view.world = std::max(view.world, h.world);
     view.ranks.insert(h.rank);
   };
   for (const auto& h : mine) add(h);
   for (const auto& peer : peers)
     for (const auto& h : peer) add(h);
+  // newest step first; of one step, the newest round's
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-    const auto& [step, view] = *it;
+    const auto& [key, view] = *it;
+    const auto [step, generation] = key;
     if (view.world <= 0) continue;  // written by a worker that did not say its world
-    bool complete = true;
-    for (int r = 0; r < view.world && complete; ++r) complete = view.ranks.contains(r);
-    if (!complete) continue;
-    FetchPlan plan{.step = step, .world = view.world, .adopt = {}, .fetch = {}};
+    // the ranks the new world restores from: all of the old world's, or its first new_world
+    bool usable = true;
+    for (int r = 0; r < std::min(view.world, std::max(new_world, 1)) && usable; ++r) usable = view.ranks.contains(r);
+    if (!usable) continue;
+    FetchPlan plan{.step = step, .generation = generation, .world = view.world, .adopt = {}, .fetch = {}, .stale = {}};
+    const auto same = [&](const Held& h, int rank) {
+      return h.step == step && h.rank == rank && h.generation == generation;
+    };
     std::set<int> targets;
     for (int r : local_ranks) targets.insert(r < view.world ? r : r % view.world);
     for (int target : targets) {
-      const auto here =
-          std::find_if(mine.begin(), mine.end(), [&](const Held& h) { return h.step == step && h.rank == target; });
+      const auto here = std::find_if(mine.begin(), mine.end(), [&](const Held& h) { return same(h, target); });
       if (here != mine.end()) {
         if (here->origin == Origin::Replica) plan.adopt.push_back(target);
         continue;
       }
+      if (std::any_of(mine.begin(), mine.end(), [&](const Held& h) { return h.step == step && h.rank == target; }))
+        plan.stale.push_back(target);  // this step of another round: replaced by the fetch
       std::vector<std::size_t> holders, replicas;
       for (std::size_t i = 0; i < peers.size(); ++i)
         for (const auto& h : peers[i])
-          if (h.step == step && h.rank == target) (h.origin == Origin::Replica ? replicas : holders).push_back(i);
+          if (same(h, target)) (h.origin == Origin::Replica ? replicas : holders).push_back(i);
       holders.insert(holders.end(), replicas.begin(), replicas.end());  // a writer's own copy first
       plan.fetch.emplace_back(target, std::move(holders));
     }
@@ -213,7 +224,7 @@ std::vector<Held> peer_list(const std::string& address, const PeerCredentials& c
     std::vector<Held> out;
     for (const auto& s : reply.at("segments"))
       out.push_back({s.at("step").get<std::uint64_t>(), s.at("rank").get<int>(), s.value("world", 0),
-                     origin_of(s.value("origin", std::string("own")))});
+                     origin_of(s.value("origin", std::string("own"))), s.value("generation", std::uint64_t{0})});
     return out;
   });
 }
@@ -226,6 +237,7 @@ bool peer_push(const std::string& address, const PeerCredentials& credentials, c
                             {"step", segment.step},
                             {"rank", segment.rank},
                             {"world", segment.world},
+                            {"generation", segment.generation},
                             {"bytes", segment.bytes},
                             {"checksum", segment.checksum}},
                            timeout);
@@ -246,7 +258,8 @@ bool peer_fetch(const std::string& address, const PeerCredentials& credentials, 
     if (!segment) return false;
     try {
       receive_segment(fd.get(), segment->get(), bytes);
-      into.commit_copy(step, rank, reply.at("checksum").get<std::uint64_t>(), reply.value("world", 0), origin);
+      into.commit_copy(step, rank, reply.at("checksum").get<std::uint64_t>(), reply.value("world", 0),
+                       reply.value("generation", std::uint64_t{0}), origin);
     } catch (...) {
       into.discard(step, rank);
       throw;
@@ -339,7 +352,11 @@ void MemoryPeers::serve_one(int fd) {
         send_line(fd, {{"ok", false}, {"error", "not held here"}});
         return;
       }
-      send_line(fd, {{"ok", true}, {"bytes", pinned->bytes}, {"checksum", pinned->checksum}, {"world", pinned->world}});
+      send_line(fd, {{"ok", true},
+                     {"bytes", pinned->bytes},
+                     {"checksum", pinned->checksum},
+                     {"world", pinned->world},
+                     {"generation", pinned->generation}});
       send_segment(fd, pinned->fd.get(), pinned->bytes);
     } else if (op == "put") {
       const auto step = request.at("step").get<std::uint64_t>();
@@ -357,7 +374,7 @@ void MemoryPeers::serve_one(int fd) {
       try {
         receive_segment(fd, segment->get(), bytes);
         segments_.commit_copy(step, rank, request.at("checksum").get<std::uint64_t>(), request.value("world", 0),
-                              Origin::Replica);
+                              request.value("generation", std::uint64_t{0}), Origin::Replica);
       } catch (...) {
         segments_.discard(step, rank);
         throw;
@@ -470,19 +487,12 @@ void MemoryPeers::push_pending() {
   }
 }
 
+// Every member is asked what it holds (one small request each; at hundreds of nodes this belongs
+// in the store), so that every agent takes the same view of the newest complete step and drops what
+// is newer: an incomplete step, or another history's (a node that was cut off and came back).
 void MemoryPeers::fetch_for(const Round& round) {
   const auto t0 = Clock::now();
-  auto mine = segments_.held();
-  // the common case, a restart at the same ranks: this node holds its ranks' newest snapshots
-  std::optional<std::uint64_t> newest_own;
-  for (const auto& h : mine)
-    if (h.origin != Origin::Replica) newest_own = std::max(newest_own.value_or(0), h.step);
-  if (newest_own && std::all_of(round.local_ranks.begin(), round.local_ranks.end(), [&](int r) {
-        return std::any_of(mine.begin(), mine.end(), [&](const Held& h) {
-          return h.step == *newest_own && h.rank == r && h.origin != Origin::Replica;
-        });
-      }))
-    return;
+  const auto mine = segments_.held();
   std::vector<std::vector<Held>> peers(round.peers.size());
   for (std::size_t i = 0; i < round.peers.size(); ++i) {
     if (round.peers[i].empty()) continue;
@@ -492,8 +502,20 @@ void MemoryPeers::fetch_for(const Round& round) {
       spdlog::debug("memory checkpoints: {}", e.what());
     }
   }
-  const auto plan = plan_fetches(mine, peers, round.local_ranks);
-  if (!plan || (plan->adopt.empty() && plan->fetch.empty())) return;
+  const auto plan = plan_fetches(mine, peers, round.local_ranks, round.world_size);
+  if (!plan) return;
+  // newer snapshots are of no use: the job restores from plan->step (or a newer file step), and
+  // this node's own newer ones would make its workers vote for a step the others cannot restore
+  if (const auto dropped = segments_.forget_after(plan->step))
+    spdlog::info("memory checkpoints: dropped {} segment(s) of steps after {}, the newest step complete job-wide",
+                 dropped, plan->step);
+  for (int rank : plan->stale)
+    if (segments_.drop(plan->step, rank))
+      spdlog::warn(
+          "memory checkpoints: step {} rank {} held here was written in another round than the job's "
+          "(another history): dropped, fetched again",
+          plan->step, rank);
+  if (plan->adopt.empty() && plan->fetch.empty()) return;
   std::vector<std::string> done;
   for (int rank : plan->adopt)
     if (segments_.adopt(plan->step, rank)) {

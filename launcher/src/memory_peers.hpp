@@ -42,20 +42,26 @@ struct PeerCredentials {
 
 // What a node does after a re-form so that each of its ranks finds its snapshot of `step` here.
 struct FetchPlan {
-  std::uint64_t step = 0;  // the newest step complete job-wide
-  int world = 0;           // the world size that wrote it
-  std::vector<int> adopt;  // ranks of `step` held here as replicas: they become this node's
+  std::uint64_t step = 0;        // the newest step usable job-wide
+  std::uint64_t generation = 0;  // the round that wrote it
+  int world = 0;                 // the world size that wrote it
+  std::vector<int> adopt;        // ranks of `step` held here as replicas: they become this node's
   // ranks of `step` to fetch, each with the peers that hold it (indices into `peers`), best first
   std::vector<std::pair<int, std::vector<std::size_t>>> fetch;
+  std::vector<int> stale;  // ranks of `step` held here from another round: dropped before the fetch
 };
 
 // The pure decision, unit-tested with canned holdings. `mine`: this node's committed segments;
 // `peers[i]`: peer i's (empty if it did not answer); `local_ranks`: this node's ranks in the new
-// round. A rank beyond the step's world takes rank % world's snapshot (replicated state).
-// std::nullopt when no step is complete job-wide.
+// round, `new_world` its world size. A step is usable when every rank the new world restores
+// from is held by someone -- every rank of the world that wrote it, or its first `new_world` when
+// the world shrank (replicated state; sharded state restores from memory at the same world only) --
+// all written in one round (snapshots of one step from two rounds are two histories: never
+// mixed). A rank beyond the step's world takes rank % world's snapshot (replicated state).
+// std::nullopt when no step is usable.
 std::optional<FetchPlan> plan_fetches(const std::vector<MemorySegments::Held>& mine,
                                       const std::vector<std::vector<MemorySegments::Held>>& peers,
-                                      const std::vector<int>& local_ranks);
+                                      const std::vector<int>& local_ranks, int new_world);
 
 // The client side, one request per call; each throws std::runtime_error naming the peer.
 std::vector<MemorySegments::Held> peer_list(const std::string& address, const PeerCredentials& credentials,
@@ -81,6 +87,7 @@ class MemoryPeers {
     std::uint64_t generation = 0;
     std::vector<std::string> peers;  // the other members' addresses in round order, starting after us
     std::vector<int> local_ranks;
+    int world_size = 0;  // the round's
   };
   // A new round: the partner is peers[0]; queued copies of the last round are dropped; the fetch
   // for local_ranks starts (memory requests of the workers wait for it: wait_for_fetch).

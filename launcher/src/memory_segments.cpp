@@ -88,7 +88,8 @@ std::optional<util::UniqueFd> MemorySegments::allocate_copy(std::uint64_t step, 
   return allocate_locked(step, rank, bytes, true);
 }
 
-void MemorySegments::commit_copy(std::uint64_t step, int rank, std::uint64_t checksum, int world, Origin origin) {
+void MemorySegments::commit_copy(std::uint64_t step, int rank, std::uint64_t checksum, int world,
+                                 std::uint64_t generation, Origin origin) {
   std::lock_guard lock(mutex_);
   const auto it = segments_.find(Key{rank, step});
   if (it == segments_.end() || it->second.committed)
@@ -96,8 +97,17 @@ void MemorySegments::commit_copy(std::uint64_t step, int rank, std::uint64_t che
   it->second.committed = true;
   it->second.checksum = checksum;
   it->second.world = world;
+  it->second.generation = generation;
   it->second.origin = origin;
   retain_locked(step, rank);
+}
+
+bool MemorySegments::drop(std::uint64_t step, int rank) {
+  std::lock_guard lock(mutex_);
+  const auto it = segments_.find(Key{rank, step});
+  if (it == segments_.end() || !it->second.committed) return false;
+  drop_locked(it->first);
+  return true;
 }
 
 void MemorySegments::discard(std::uint64_t step, int rank) {
@@ -122,7 +132,7 @@ std::optional<MemorySegments::Pinned> MemorySegments::pin(std::uint64_t step, in
   if (!copy) throw std::system_error(errno, std::generic_category(), "dup");
   ++it->second.pins;
   return Pinned(this, it->second.id, step, rank, std::move(copy), it->second.bytes, it->second.checksum,
-                it->second.world);
+                it->second.world, it->second.generation);
 }
 
 MemorySegments::Pinned::~Pinned() {
@@ -152,7 +162,7 @@ std::vector<MemorySegments::Held> MemorySegments::held() const {
   std::lock_guard lock(mutex_);
   std::vector<Held> out;
   for (const auto& [k, s] : segments_)
-    if (s.committed) out.push_back({k.step, k.rank, s.world, s.origin});
+    if (s.committed) out.push_back({k.step, k.rank, s.world, s.origin, s.generation});
   return out;
 }
 
@@ -231,7 +241,7 @@ std::size_t MemorySegments::forget_after(std::uint64_t after_step) {
   return dropped.size();
 }
 
-void MemorySegments::commit(std::uint64_t step, int rank, std::uint64_t checksum, int world) {
+void MemorySegments::commit(std::uint64_t step, int rank, std::uint64_t checksum, int world, std::uint64_t generation) {
   std::lock_guard lock(mutex_);
   const auto it = segments_.find(Key{rank, step});
   if (it == segments_.end())
@@ -242,6 +252,7 @@ void MemorySegments::commit(std::uint64_t step, int rank, std::uint64_t checksum
     segment.committed = true;
     segment.checksum = checksum;
     segment.world = world;
+    segment.generation = generation;
     segment.origin = Origin::Own;
   }
   retain_locked(step, rank);
@@ -304,6 +315,7 @@ nlohmann::json MemorySegments::list() const {
                         {"bytes", s.bytes},
                         {"committed", s.committed},
                         {"world", s.world},
+                        {"generation", s.generation},
                         {"origin", to_string(s.origin)}});
   return {{"budget", budget_}, {"used", used_locked()}, {"spare", spare_locked()}, {"segments", std::move(segments)}};
 }

@@ -63,8 +63,11 @@ class MemorySegments {
   // write after this is caught by the checksum, checked before any restore); drops committed
   // steps beyond the kKeepSteps newest (any rank) and this rank's uncommitted older ones. Throws
   // std::invalid_argument for an unknown segment.
-  // `world`: the world size that wrote it (0: not said), for "is step S complete job-wide".
-  void commit(std::uint64_t step, int rank, std::uint64_t checksum, int world = 0);
+  // `world`: the world size that wrote it (0: not said), for "is step S complete job-wide";
+  // `generation`: the rendezvous round it was written in -- two snapshots of one step from
+  // different rounds belong to different histories (a node that was cut off and came back) and
+  // are never combined in one restore.
+  void commit(std::uint64_t step, int rank, std::uint64_t checksum, int world = 0, std::uint64_t generation = 0);
 
   // ---- copies between agents (memory_peers.hpp) ----
   // A writable segment for a copy of (step, rank) from another agent, std::nullopt when this node
@@ -72,8 +75,10 @@ class MemorySegments {
   // replicas only (a worker's allocate() drops replicas before the node's own older steps).
   // Then commit_copy, or discard.
   std::optional<util::UniqueFd> allocate_copy(std::uint64_t step, int rank, std::uint64_t bytes);
-  void commit_copy(std::uint64_t step, int rank, std::uint64_t checksum, int world, Origin origin);
+  void commit_copy(std::uint64_t step, int rank, std::uint64_t checksum, int world, std::uint64_t generation,
+                   Origin origin);
   void discard(std::uint64_t step, int rank);  // an uncommitted segment whose copy failed
+  bool drop(std::uint64_t step, int rank);     // a committed one (another history's): false if none
   // A replica of (step, rank) becomes this node's own to restore from (Origin::Fetched): a
   // re-form gave this node that rank. False when it holds no such replica.
   bool adopt(std::uint64_t step, int rank);
@@ -83,12 +88,13 @@ class MemorySegments {
   class Pinned {
    public:
     Pinned(MemorySegments* owner, std::uint64_t id, std::uint64_t step, int rank, util::UniqueFd fd,
-           std::uint64_t bytes, std::uint64_t checksum, int world)
+           std::uint64_t bytes, std::uint64_t checksum, int world, std::uint64_t generation)
         : step(step),
           rank(rank),
           bytes(bytes),
           checksum(checksum),
           world(world),
+          generation(generation),
           fd(std::move(fd)),
           owner_(owner),
           id_(id) {}
@@ -98,6 +104,7 @@ class MemorySegments {
           bytes(o.bytes),
           checksum(o.checksum),
           world(o.world),
+          generation(o.generation),
           fd(std::move(o.fd)),
           owner_(std::exchange(o.owner_, nullptr)),
           id_(o.id_) {}
@@ -107,6 +114,7 @@ class MemorySegments {
     int rank = 0;
     std::uint64_t bytes = 0, checksum = 0;
     int world = 0;
+    std::uint64_t generation = 0;
     util::UniqueFd fd;  // a duplicate of the segment's descriptor: read with pread/sendfile at offsets
 
    private:
@@ -119,6 +127,7 @@ class MemorySegments {
     std::uint64_t step = 0;
     int rank = 0, world = 0;
     Origin origin = Origin::Own;
+    std::uint64_t generation = 0;
   };
   std::vector<Held> held() const;  // the committed segments
 
@@ -152,6 +161,7 @@ class MemorySegments {
     std::uint64_t bytes = 0, checksum = 0;
     bool committed = false;
     int world = 0;
+    std::uint64_t generation = 0;
     Origin origin = Origin::Own;
     int pins = 0;          // Pinned copies alive: its memory is not reused until they are gone
     std::uint64_t id = 0;  // unique in this agent: what a Pinned names

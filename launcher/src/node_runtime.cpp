@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <type_traits>
 
@@ -84,7 +85,13 @@ worker::NodeReply NodeRuntime::answer(const nlohmann::json& request) {
   if (name == op::kMemCommit) {
     const auto step = field<std::uint64_t>(request, "step");
     const int rank = field<int>(request, "rank");
-    memory_or_refuse().commit(step, rank, field<std::uint64_t>(request, "checksum"), request.value("world", 0));
+    std::uint64_t generation = 0;
+    {
+      std::lock_guard lock(status_mutex_);
+      generation = static_cast<std::uint64_t>(std::max<std::int64_t>(status_.generation, 0));
+    }
+    memory_or_refuse().commit(step, rank, field<std::uint64_t>(request, "checksum"), request.value("world", 0),
+                              generation);
     if (memory_peers_) memory_peers_->committed(step, rank);
     return {};
   }

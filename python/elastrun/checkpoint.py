@@ -531,10 +531,11 @@ def _open_from_memory(tier: _memory.MemoryTier, step: int, rank: int, world: int
     """(snapshot, header) of `step` from this node's agent that this rank can restore from: its own
     rank's, else (everything replicated) any rank's -- one written here before one copied from a
     peer; checked (magic, checksum). The header's "origin" says where the agent got it. None if none."""
-    origins = {}
+    origins, generations = {}, {}
     for s in tier.list().get("segments", []):
         if s.get("committed") and int(s["step"]) == step:
             origins.setdefault(int(s["rank"]), s.get("origin", "own"))
+            generations.setdefault(int(s["rank"]), int(s.get("generation", 0)))
     ranks = sorted(origins, key=lambda r: (r != rank, origins[r] != "own", r))
     for r in ranks:
         snapshot = tier.open(r, step)
@@ -551,6 +552,7 @@ def _open_from_memory(tier: _memory.MemoryTier, step: int, rank: int, world: int
                 header = json.loads(snapshot.read(16, length))
                 header["data_start"] = _aligned(16 + length)
                 header["origin"] = origins[r]
+                header["generation"] = generations[r]  # the rendezvous round that wrote it
                 sharded = any(entry[5] is not None for entry in header["tensors"])
                 if not sharded or (r == rank and header["world_size"] == world):
                     result, snapshot = (snapshot, header), None
@@ -622,7 +624,16 @@ def _restore_from_memory(state_dict: Dict[str, Any], ckpt_dir: Optional[str], ti
             mine_from = (f"rank {opened[1]['rank']}'s snapshot, "
                          + ("written on this node" if opened[1]["origin"] == "own" else "copied from a peer agent"))
         usable = [json.loads(v) for v in _allgather(comm, {"ok": plan is not None, "why": problems[:1],
-                                                           "partner": plan is not None and opened[1]["origin"] != "own"})]
+                                                           "partner": plan is not None and opened[1]["origin"] != "own",
+                                                           "generation": opened[1]["generation"] if plan else None})]
+        # one step written in two rounds is two histories (a node that was cut off and came back):
+        # never restored together
+        if len({v["generation"] for v in usable}) > 1 and all(v["ok"] for v in usable):
+            if rank == 0:
+                print(f"elastrun.checkpoint: the ranks' memory snapshots of step {step} were written in different "
+                      f"rendezvous rounds ({sorted({v['generation'] for v in usable})}): restoring from the file tier",
+                      file=sys.stderr, flush=True)
+            return None
         if not all(v["ok"] for v in usable):
             if rank == 0:
                 why = next((f"rank {r}: {v['why'][0]}" for r, v in enumerate(usable) if v["why"]), "")

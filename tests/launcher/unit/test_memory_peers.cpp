@@ -21,9 +21,10 @@ namespace {
 using Held = MemorySegments::Held;
 using Origin = MemorySegments::Origin;
 
-std::vector<Held> held(std::uint64_t step, int world, std::vector<int> ranks, Origin origin = Origin::Own) {
+std::vector<Held> held(std::uint64_t step, int world, std::vector<int> ranks, Origin origin = Origin::Own,
+                       std::uint64_t generation = 1) {
   std::vector<Held> out;
-  for (int r : ranks) out.push_back({step, r, world, origin});
+  for (int r : ranks) out.push_back({step, r, world, origin, generation});
   return out;
 }
 
@@ -37,7 +38,7 @@ TEST(MemoryPeers, ANewNodeFetchesItsRanksFromTheirWritersFirst) {
   // the lost node's ranks? No: n1 is the lost node's partner -- it holds 4,5 as replicas
   const std::vector<std::vector<Held>> peers{held(7, 6, {0, 1}) + held(7, 6, {4, 5}, Origin::Replica),
                                              held(7, 6, {2, 3}) + held(7, 6, {0, 1}, Origin::Replica)};
-  const auto plan = plan_fetches({}, peers, {4, 5});
+  const auto plan = plan_fetches({}, peers, {4, 5}, 6);
   ASSERT_TRUE(plan);
   EXPECT_EQ(plan->step, 7u);
   EXPECT_EQ(plan->world, 6);
@@ -49,7 +50,7 @@ TEST(MemoryPeers, ANewNodeFetchesItsRanksFromTheirWritersFirst) {
 
 TEST(MemoryPeers, APartnerAdoptsTheLostNodesRanksItHoldsAsReplicas) {
   const auto mine = held(7, 6, {2, 3}) + held(7, 6, {4, 5}, Origin::Replica);
-  const auto plan = plan_fetches(mine, {held(7, 6, {0, 1})}, {4, 5});
+  const auto plan = plan_fetches(mine, {held(7, 6, {0, 1})}, {4, 5}, 6);
   ASSERT_TRUE(plan);
   EXPECT_EQ(plan->adopt, (std::vector<int>{4, 5}));
   EXPECT_TRUE(plan->fetch.empty());
@@ -60,19 +61,49 @@ TEST(MemoryPeers, TheNewestStepCompleteJobWideIsChosen) {
   const auto mine = held(7, 6, {0, 1}) + held(8, 6, {0, 1});
   const std::vector<std::vector<Held>> peers{held(7, 6, {2, 3}) + held(8, 6, {2, 3}),
                                              held(7, 6, {4, 5}) + held(8, 6, {4})};
-  const auto plan = plan_fetches(mine, peers, {0, 1});
+  const auto plan = plan_fetches(mine, peers, {0, 1}, 6);
   ASSERT_TRUE(plan);
   EXPECT_EQ(plan->step, 7u);
   EXPECT_TRUE(plan->fetch.empty()) << "this node holds ranks 0 and 1 of step 7";
 }
 
+TEST(MemoryPeers, AWorldThatShrankNeedsOnlyTheRanksItRestoresFrom) {
+  // n4 (ranks 6, 7) was cut off before its snapshot of step 20: world 6 restores step 20 from ranks
+  // 0..5 (replicated state), not step 19 -- and a world of 8 again would need step 19
+  const std::vector<std::vector<Held>> peers{held(19, 8, {0, 1, 2, 3, 4, 5, 6, 7}) + held(20, 8, {0, 1, 2, 3, 4, 5})};
+  const auto shrunk = plan_fetches({}, peers, {0, 1}, 6);
+  ASSERT_TRUE(shrunk);
+  EXPECT_EQ(shrunk->step, 20u);
+  const auto full = plan_fetches({}, peers, {6, 7}, 8);
+  ASSERT_TRUE(full);
+  EXPECT_EQ(full->step, 19u);
+}
+
 TEST(MemoryPeers, NoCompleteStepOrAnUnknownWorldMeansNothingToFetch) {
-  EXPECT_FALSE(plan_fetches({}, {held(3, 4, {0, 1, 2})}, {3}));
-  EXPECT_FALSE(plan_fetches({}, {held(3, 0, {0, 1, 2, 3})}, {3})) << "a writer that did not say its world";
+  EXPECT_FALSE(plan_fetches({}, {held(3, 4, {0, 1, 2})}, {3}, 4));
+  EXPECT_FALSE(plan_fetches({}, {held(3, 0, {0, 1, 2, 3})}, {3}, 4)) << "a writer that did not say its world";
+}
+
+TEST(MemoryPeers, OneStepWrittenInTwoRoundsIsTwoHistoriesNeverCombined) {
+  // n3 was cut off after writing step 8 in round 2; the others went on in round 3 from step 7 and
+  // wrote step 8 again (ranks 0, 1 so far) -- mixing the two step-8s would restore two histories
+  const auto mine = held(7, 4, {0, 1}, Origin::Own, 2) + held(8, 4, {0, 1}, Origin::Own, 3);
+  const std::vector<std::vector<Held>> peers{held(7, 4, {2, 3}, Origin::Own, 2) + held(8, 4, {2, 3}, Origin::Own, 2)};
+  const auto plan = plan_fetches(mine, peers, {0, 1}, 4);
+  ASSERT_TRUE(plan);
+  EXPECT_EQ(plan->step, 7u);
+  EXPECT_EQ(plan->generation, 2u);
+  // a node holding a step of another round than the job's drops it and fetches the job's
+  const auto stale = plan_fetches(held(7, 4, {2}, Origin::Own, 1), {held(7, 4, {0, 1, 2, 3}, Origin::Own, 2)}, {2}, 4);
+  ASSERT_TRUE(stale);
+  EXPECT_EQ(stale->generation, 2u);
+  EXPECT_EQ(stale->stale, std::vector<int>{2});
+  ASSERT_EQ(stale->fetch.size(), 1u);
+  EXPECT_EQ(stale->fetch[0].second, std::vector<std::size_t>{0});
 }
 
 TEST(MemoryPeers, ARankBeyondTheOldWorldTakesAReplicatedRanksSnapshot) {
-  const auto plan = plan_fetches({}, {held(2, 4, {0, 1, 2, 3})}, {5, 6});
+  const auto plan = plan_fetches({}, {held(2, 4, {0, 1, 2, 3})}, {5, 6}, 8);
   ASSERT_TRUE(plan);
   ASSERT_EQ(plan->fetch.size(), 2u);
   EXPECT_EQ(plan->fetch[0].first, 1);
@@ -127,8 +158,8 @@ TEST(MemoryPeers, ACommitGoesToThePartnerAndANewNodeFetchesItOverRealSockets) {
   MemorySegments a_segments(64 << 20), b_segments(64 << 20), c_segments(64 << 20);
   MemoryPeers a(a_segments, token("secret"), "127.0.0.1");
   MemoryPeers b(b_segments, token("secret"), "127.0.0.1");
-  a.new_round({.generation = 1, .peers = {b.address()}, .local_ranks = {0}});
-  b.new_round({.generation = 1, .peers = {a.address()}, .local_ranks = {1}});
+  a.new_round({.generation = 1, .peers = {b.address()}, .local_ranks = {0}, .world_size = 2});
+  b.new_round({.generation = 1, .peers = {a.address()}, .local_ranks = {1}, .world_size = 2});
   a.wait_for_fetch(std::chrono::seconds(10));
   {
     auto fd = a_segments.allocate(5, 0, kSize);
@@ -149,13 +180,13 @@ TEST(MemoryPeers, ACommitGoesToThePartnerAndANewNodeFetchesItOverRealSockets) {
   }
   b_segments.commit(5, 1, 7, 2);
   MemoryPeers c(c_segments, token("secret"), "127.0.0.1");
-  c.new_round({.generation = 2, .peers = {b.address()}, .local_ranks = {0}});
+  c.new_round({.generation = 2, .peers = {b.address()}, .local_ranks = {0}, .world_size = 2});
   c.wait_for_fetch(std::chrono::seconds(10));
   EXPECT_EQ(c.counts().fetched, 1u);
   EXPECT_EQ(origin_of(c_segments, 5, 0), Origin::Fetched);
   EXPECT_TRUE(holds_bytes(c_segments, 5, 0, kSize, 'p')) << "fetched from b's replica, byte for byte";
   // and b, now holding rank 0 itself in a round of two, adopts its replica instead of fetching
-  b.new_round({.generation = 3, .peers = {c.address()}, .local_ranks = {0, 1}});
+  b.new_round({.generation = 3, .peers = {c.address()}, .local_ranks = {0, 1}, .world_size = 2});
   b.wait_for_fetch(std::chrono::seconds(10));
   EXPECT_EQ(b.counts().adopted, 1u);
   EXPECT_EQ(origin_of(b_segments, 5, 0), Origin::Fetched);
@@ -216,7 +247,7 @@ TEST(MemorySegments, ReplicasYieldToTheNodesOwnSnapshots) {
   for (std::uint64_t step : {1, 2}) {
     auto fd = segments.allocate_copy(step, 1, 4096);
     ASSERT_TRUE(fd);
-    segments.commit_copy(step, 1, step, 2, Origin::Replica);
+    segments.commit_copy(step, 1, step, 2, 1, Origin::Replica);
   }
   const auto left = [&] {
     std::vector<std::pair<std::uint64_t, int>> out;
