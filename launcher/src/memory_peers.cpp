@@ -318,6 +318,7 @@ void MemoryPeers::serve() {
     const int fd = connection.get();
     handlers_.push_back(Handler{std::thread([this, fd, done] {
                                   serve_one(fd);
+                                  (void)::shutdown(fd, SHUT_RDWR);  // the peer sees the end now; closed when reaped
                                   done->store(true);
                                 }),
                                 std::move(connection), done});

@@ -129,23 +129,35 @@ worker::NodeReply NodeRuntime::answer(const nlohmann::json& request) {
 
 nlohmann::json NodeRuntime::status_reply() const {
   std::lock_guard lock(status_mutex_);
-  return {
-      {"node", identity_.node},
-      {"run_id", identity_.run_id},
-      {"pid", ::getpid()},
-      {"state", status_.state},
-      {"generation", status_.generation},
-      {"world_size", status_.world_size},
-      {"group_rank", status_.group_rank},
-      {"group_world_size", status_.group_world_size},
-      {"restart_count", status_.restart_count},
-      {"attempt", status_.attempt},
-      {"worker_pids", status_.worker_pids},
-      {"process_backend", status_.process_backend},
-      {"job_dir", identity_.job_dir},
-      {"memory_checkpoints",
-       memory_ ? nlohmann::json{{"budget", memory_->budget()}, {"used", memory_->used()}, {"spare", memory_->spare()}}
-               : nlohmann::json()}};
+  return {{"node", identity_.node},
+          {"run_id", identity_.run_id},
+          {"pid", ::getpid()},
+          {"state", status_.state},
+          {"generation", status_.generation},
+          {"world_size", status_.world_size},
+          {"group_rank", status_.group_rank},
+          {"group_world_size", status_.group_world_size},
+          {"restart_count", status_.restart_count},
+          {"attempt", status_.attempt},
+          {"worker_pids", status_.worker_pids},
+          {"process_backend", status_.process_backend},
+          {"job_dir", identity_.job_dir},
+          {"memory_checkpoints", memory_status()}};
+}
+
+nlohmann::json NodeRuntime::memory_status() const {
+  if (!memory_) return nullptr;
+  nlohmann::json j{{"budget", memory_->budget()}, {"used", memory_->used()}, {"spare", memory_->spare()}};
+  if (memory_peers_) {
+    const auto c = memory_peers_->counts();
+    j["partner_copies"] = {{"address", memory_peers_->address()},
+                           {"sent", c.pushed},
+                           {"received", c.received},
+                           {"fetched", c.fetched},
+                           {"adopted", c.adopted},
+                           {"send_failures", c.push_failures}};
+  }
+  return j;
 }
 
 ProcessBackend& NodeRuntime::process_backend() {

@@ -80,7 +80,8 @@ class NodeRuntime {
     std::lock_guard lock(status_mutex_);
     update(status_);
   }
-  nlohmann::json status_reply() const;  // what "status" answers (the endpoint's thread)
+  nlohmann::json status_reply() const;   // what "status" answers (the endpoint's thread)
+  nlohmann::json memory_status() const;  // its "memory_checkpoints" (null when off)
 
   // ---- the memory checkpoint tier (off until enabled: its requests are refused) ----
   void enable_memory_checkpoints(std::uint64_t budget_bytes);

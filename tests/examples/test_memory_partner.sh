@@ -7,6 +7,7 @@
 # them as the lost node's partner) and the job resumes from the agents' memory, not from the
 # file tier:
 #   - the resumed event says source "memory-partner", at most 2 steps before the newest step reached;
+#   - while training, `elastrun node-status` of node 1 shows copies sent to and received from node 0;
 #   - the spare's agent logs what it fetched, and from whom; the restore logs one line per rank;
 #   - the final model equals a failure-free world-1 run (`elastrun-ckpt diff` exits 0);
 #   - no memory segment is left behind (memfds: nothing in /dev/shm to look for; the agents exit).
@@ -46,6 +47,13 @@ steps = [e["step"] for e in elastrun.events.read([sys.argv[1]]) if e["event"] ==
 sys.exit(0 if steps and max(steps) >= 17 else 1)' "$out/n0.events"; }
 wait_for -i 0.2 -a "$pid_n0" "agent n0 exited early" 120 reached || fail "training did not reach step 17"
 grep -q "partner copies served on 127.0.0.1:" "$out/n1.log" || fail "agent n1 serves no partner copies"
+address=@$(sed -n 's/.*node endpoint @\([^ ]*\).*/\1/p' "$out/n1.log" | head -1)
+"$elastrun" node-status "$address" >"$out/n1.status" 2>&1 || fail "node-status of n1: $(cat "$out/n1.status")"
+/usr/bin/python3 - "$out/n1.status" <<'PY' || fail "n1's status does not show partner copies both ways: $(cat "$out/n1.status")"
+import json, sys
+copies = json.load(open(sys.argv[1]))["memory_checkpoints"]["partner_copies"]
+assert copies["sent"] > 0 and copies["received"] > 0 and copies["send_failures"] == 0, copies
+PY
 kill -9 "$pid_n1"
 await "$pid_n1" || true
 rc=0

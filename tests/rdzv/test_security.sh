@@ -13,7 +13,9 @@
 #   memory      the agent's memory checkpoints (--memory-checkpoints): the intruder's requests to the
 #               node endpoint (an abstract socket, which has no file permissions) are refused by the
 #               peer's uid and carry no descriptor back; the segments' memfds under /proc of the
-#               agent and of its workers cannot be opened; nothing of them is in /dev/shm
+#               agent and of its workers cannot be opened; nothing of them is in /dev/shm; with
+#               two agents, the TCP port of their partner copies refuses the intruder's list, get
+#               and put (a wrong token, no authentication, another method)
 # Usage: test_security.sh CASE path/to/elastrun path/to/rdzv_member path/to/launcher_test_worker
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
@@ -177,6 +179,49 @@ print(len(fds), msg.decode().strip())' "$address" "$op") || fail "the intruder's
   [[ $(ls /dev/shm | sort) == "$shm_before" ]] || fail "/dev/shm changed: $(ls /dev/shm)"
   kill -TERM "$agent"
   await "$agent" || true
+  # partner copies (two agents): the TCP port each agent serves them on answers the run's
+  # credential only -- no segment listed, sent or planted for a wrong token, another method, none
+  rm -f "$work"/out/held.*
+  port=$(free_port)
+  for n in 0 1; do
+    PYTHONPATH=$root/python MEMORY_WORKER_MODE=hold "$elastrun" --nnodes=2 --nproc-per-node 2 \
+      --rdzv-endpoint=127.0.0.1:$port --rdzv-id=mem2 --rdzv-conf=is_host=$((1 - n)) --node-rank=$n \
+      --memory-checkpoints=256M /usr/bin/python3 "$root/tests/launcher/memory_worker.py" \
+      >"$work/pair$n.out" 2>"$work/pair$n.err" &
+    printf -v "pair$n" '%s' "$!"
+    track_pid "$!"
+  done
+  wait_for -a "$pair0" "agent 0 exited early" 60 have_files 4 "$work/out/held.*" || fail "no snapshots held by the pair"
+  peer=$(sed -n 's/.*partner copies served on \([0-9.:]*\).*/\1/p' "$work/pair0.err" | head -1)
+  [[ -n $peer ]] || fail "agent 0 serves no partner copies: $(cat "$work/pair0.err")"
+  status=@$(sed -n 's/.*node endpoint @\([^ ]*\).*/\1/p' "$work/pair1.err" | head -1)
+  wait_for 20 eval '"$elastrun" node-status "$status" | grep -q "\"received\":[1-9]"' ||
+    fail "agent 1 received no partner copy: $("$elastrun" node-status "$status")"
+  for attempt in 'list token guess' 'get none -' 'put munge forged'; do
+    read -r op kind credential <<<"$attempt"
+    reply=$(as_intruder /usr/bin/python3 -c '
+import json, socket, sys
+host, port = sys.argv[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=10)
+request = {"v": 1, "op": sys.argv[2], "run": "mem2", "auth": sys.argv[3], "credential": sys.argv[4],
+           "step": 424242, "rank": 2, "bytes": 4096, "checksum": 0, "world": 4, "generation": 1}
+s.sendall((json.dumps(request) + "\n").encode())
+got = b""
+while True:
+    chunk = s.recv(65536)
+    if not chunk:
+        break
+    got += chunk
+print(got.decode(errors="replace").strip())' "$peer" "$op" "$kind" "$credential") ||
+      fail "the intruder's $op request failed to run: $(tail -3 "$work/intruder.err")"
+    [[ $reply == '{"error":'*'"ok":false}' && $reply != *$'\n'* ]] || fail "the intruder's $op ($kind) got: $reply"
+  done
+  echo "refused as expected: $reply"
+  "$elastrun" node-status "$status" | grep -q '"received":[1-9]' || fail "agent 1 lost its partner copies"
+  kill -TERM "$pair0" "$pair1"
+  await "$pair0" || true
+  await "$pair1" || true
+  echo "ok: partner copies: the intruder's list, get and put refused (wrong token, no authentication, another method)"
   ;;
 *) fail "unknown case" ;;
 esac
