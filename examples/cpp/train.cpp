@@ -696,8 +696,15 @@ class Trainer {
       auto segment = memory_->newest(best->second, best->first);
       if (!segment || segment->size() < sizeof(std::uint64_t)) return std::nullopt;
       if (fnv1a(segment->data(), segment->size()) != segment->checksum()) {
-        log("warning: the memory snapshot of step {} fails its checksum: not used", best->first);
-        return std::nullopt;
+        // the next source: a peer agent's copy of it (the partner's)
+        log("warning: the memory snapshot of step {} rank {} fails its checksum: asking a peer agent for its copy",
+            best->first, best->second);
+        segment = memory_->newest(best->second, best->first, /*refetch=*/true);
+        if (!segment || fnv1a(segment->data(), segment->size()) != segment->checksum()) {
+          log("warning: no good copy of the memory snapshot of step {}: not used", best->first);
+          return std::nullopt;
+        }
+        origin = "fetched";
       }
       std::uint64_t header_size = 0;
       std::memcpy(&header_size, segment->data(), sizeof header_size);

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <stdexcept>
@@ -249,10 +250,13 @@ bool peer_push(const std::string& address, const PeerCredentials& credentials, c
 }
 
 bool peer_fetch(const std::string& address, const PeerCredentials& credentials, std::uint64_t step, int rank,
-                MemorySegments& into, Origin origin, Millis timeout) {
+                MemorySegments& into, Origin origin, Millis timeout, std::optional<std::uint64_t> generation) {
   return with_peer(address, fmt::format("fetching step {} rank {}", step, rank), [&] {
     auto fd = open_request(address, credentials, {{"op", "get"}, {"step", step}, {"rank", rank}}, timeout);
     const auto reply = expect_ok(fd.get());
+    if (generation && reply.value("generation", std::uint64_t{0}) != *generation)
+      fail(fmt::format("its copy was written in round {}, not {}", reply.value("generation", std::uint64_t{0}),
+                       *generation));
     const auto bytes = reply.at("bytes").get<std::uint64_t>();
     auto segment = into.allocate_copy(step, rank, bytes);
     if (!segment) return false;
@@ -279,6 +283,7 @@ MemoryPeers::MemoryPeers(MemorySegments& segments, PeerCredentials credentials, 
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) throw std::system_error(errno, std::generic_category(), "pipe2");
   wake_read_.reset(pipe_fds[0]);
   wake_write_.reset(pipe_fds[1]);
+  if (const char* flip = std::getenv("ELASTRUN_TEST_FLIP_MEMORY_STEP"); flip && *flip) flip_step_ = std::stoull(flip);
   server_ = std::thread([this] { serve(); });
   worker_ = std::thread([this] { work(); });
 }
@@ -399,6 +404,7 @@ void MemoryPeers::new_round(Round round) {
   {
     std::lock_guard lock(mutex_);
     partner_ = round.peers.empty() ? std::string() : round.peers.front();
+    peers_ = round.peers;
     generation_ = round.generation;
     to_push_.clear();  // a world change abandons the copies in flight
     fetching_ = true;
@@ -420,6 +426,44 @@ void MemoryPeers::committed(std::uint64_t step, int rank) {
 void MemoryPeers::wait_for_fetch(Millis timeout) {
   std::unique_lock lock(mutex_);
   changed_.wait_for(lock, timeout, [&] { return !fetching_ || stopping_; });
+}
+
+void MemoryPeers::refetch(std::uint64_t step, int rank) {
+  std::vector<std::string> peers;
+  {
+    std::lock_guard lock(mutex_);
+    peers = peers_;
+  }
+  std::optional<std::uint64_t> generation;
+  for (const auto& h : segments_.held())
+    if (h.step == step && h.rank == rank) generation = h.generation;
+  if (!generation) fail(fmt::format("this agent holds no snapshot of step {} rank {}", step, rank));
+  std::string why = "no other member in this round";
+  for (const auto& peer : peers) {
+    if (peer.empty()) continue;
+    try {
+      if (!peer_list_has(peer, step, rank, *generation)) {
+        why = fmt::format("memory peer {} holds no copy of it", peer);
+        continue;
+      }
+      segments_.drop(step, rank);
+      peer_fetch(peer, credentials_, step, rank, segments_, Origin::Fetched, std::chrono::seconds(30), generation);
+      spdlog::warn("memory checkpoints: step {} rank {} held here failed its checksum: fetched again from {}", step,
+                   rank, peer);
+      std::lock_guard lock(mutex_);
+      ++counts_.fetched;
+      return;
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+  }
+  fail(fmt::format("no peer copy of step {} rank {} could be fetched ({})", step, rank, why));
+}
+
+bool MemoryPeers::peer_list_has(const std::string& peer, std::uint64_t step, int rank, std::uint64_t generation) {
+  const auto held = peer_list(peer, credentials_, Millis(2000));
+  return std::any_of(held.begin(), held.end(),
+                     [&](const Held& h) { return h.step == step && h.rank == rank && h.generation == generation; });
 }
 
 MemoryPeers::Counts MemoryPeers::counts() const {
@@ -481,6 +525,18 @@ void MemoryPeers::push_pending() {
     failing_partner_ = partner;
   } else {
     if (sent) ++counts_.pushed;
+    if (flip_step_ && *flip_step_ == pinned->step) {  // tests only: see flip_step_
+      unsigned char byte = 0;
+      const auto last = static_cast<off_t>(pinned->bytes > 0 ? pinned->bytes - 1 : 0);
+      if (::pread(pinned->fd.get(), &byte, 1, last) == 1) {  // the data's, not a header's
+        byte ^= 0xff;
+        (void)!::pwrite(pinned->fd.get(), &byte, 1, last);
+        spdlog::warn(
+            "ELASTRUN_TEST_FLIP_MEMORY_STEP={}: flipped a byte of step {} rank {} here (its partner's "
+            "copy is intact)",
+            *flip_step_, pinned->step, pinned->rank);
+      }
+    }
     if (failing_partner_ == partner) {
       spdlog::info("memory checkpoints: partner copies to {} work again", partner);
       failing_partner_.clear();

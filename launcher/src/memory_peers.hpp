@@ -69,9 +69,11 @@ std::vector<MemorySegments::Held> peer_list(const std::string& address, const Pe
 // Sends a pinned segment; false when the peer holds it already.
 bool peer_push(const std::string& address, const PeerCredentials& credentials, const MemorySegments::Pinned& segment,
                std::chrono::milliseconds timeout);
-// Fetches (step, rank) into `into` with `origin`; false when this node holds it already.
+// Fetches (step, rank) into `into` with `origin`; false when this node holds it already. With
+// `generation`, a copy written in another round is refused (throws).
 bool peer_fetch(const std::string& address, const PeerCredentials& credentials, std::uint64_t step, int rank,
-                MemorySegments& into, MemorySegments::Origin origin, std::chrono::milliseconds timeout);
+                MemorySegments& into, MemorySegments::Origin origin, std::chrono::milliseconds timeout,
+                std::optional<std::uint64_t> generation = std::nullopt);
 
 class MemoryPeers {
  public:
@@ -96,6 +98,9 @@ class MemoryPeers {
   void committed(std::uint64_t step, int rank);
   // Until this round's fetch is done, at most `timeout`.
   void wait_for_fetch(std::chrono::milliseconds timeout);
+  // The copy of (step, rank) here failed its checksum (a reader says so): replaced by a peer's copy
+  // of the same round, if a member of the round holds one. Throws std::runtime_error saying why not.
+  void refetch(std::uint64_t step, int rank);
 
   // Copies this agent sent and received (status, tests).
   struct Counts {
@@ -109,6 +114,7 @@ class MemoryPeers {
   void work();
   void fetch_for(const Round& round);
   void push_pending();
+  bool peer_list_has(const std::string& peer, std::uint64_t step, int rank, std::uint64_t generation);
 
   MemorySegments& segments_;
   const PeerCredentials credentials_;
@@ -122,6 +128,10 @@ class MemoryPeers {
   std::optional<Round> round_to_fetch_;
   bool fetching_ = false;
   std::string partner_;
+  std::vector<std::string> peers_;  // the round's other members
+  // tests only (ELASTRUN_TEST_FLIP_MEMORY_STEP): once sent to the partner, this node's own segments of
+  // that step get one byte flipped -- a copy here that fails its checksum while the partner's is good
+  std::optional<std::uint64_t> flip_step_;
   std::uint64_t generation_ = 0;
   std::map<int, std::uint64_t> to_push_;  // rank -> newest committed step not yet sent
   std::string failing_partner_;           // the partner whose last copy failed (logged once)

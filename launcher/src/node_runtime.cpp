@@ -102,6 +102,11 @@ worker::NodeReply NodeRuntime::answer(const nlohmann::json& request) {
     const int rank = field<int>(request, "rank");
     std::optional<std::uint64_t> step;
     if (request.contains("step")) step = field<std::uint64_t>(request, "step");
+    if (request.value("refetch", false)) {  // the copy here failed its checksum: a peer's instead
+      if (!step) throw std::invalid_argument("refetch needs the step");
+      if (!memory_peers_) throw std::invalid_argument("this agent has no partner copies to fetch from");
+      memory_peers_->refetch(*step, rank);
+    }
     auto found = memory_or_refuse().find(rank, step);
     if (!found)
       throw std::invalid_argument(step ? fmt::format("no committed memory snapshot of step {} rank {}", *step, rank)

@@ -538,29 +538,36 @@ def _open_from_memory(tier: _memory.MemoryTier, step: int, rank: int, world: int
             generations.setdefault(int(s["rank"]), int(s.get("generation", 0)))
     ranks = sorted(origins, key=lambda r: (r != rank, origins[r] != "own", r))
     for r in ranks:
-        snapshot = tier.open(r, step)
-        if snapshot is None:
-            continue
-        try:
-            start = snapshot.read(0, 16)
-            if len(start) < 16 or start[0:8] != _MEMORY_MAGIC:
-                problems.append(f"the snapshot of rank {r} is not one elastrun.checkpoint wrote")
-            elif _core.xxh3_fd(snapshot.fd, snapshot.nbytes) != snapshot.checksum:
-                problems.append(f"the snapshot of rank {r} fails its checksum")
-            else:
+        for refetch in (False, True):  # a copy that fails its checksum: a peer agent's copy is tried next
+            snapshot = tier.open(r, step, refetch=refetch)
+            if snapshot is None:
+                if refetch:
+                    problems.append(f"no peer agent has another copy of rank {r}'s snapshot")
+                break
+            try:
+                start = snapshot.read(0, 16)
+                if len(start) < 16 or start[0:8] != _MEMORY_MAGIC or \
+                        _core.xxh3_fd(snapshot.fd, snapshot.nbytes) != snapshot.checksum:
+                    problems.append(f"the snapshot of rank {r} fails its checksum"
+                                    + (" (and so does a peer agent's copy)" if refetch else ""))
+                    print(f"elastrun.checkpoint: rank {rank}: the memory snapshot of step {step} rank {r} fails its "
+                          f"checksum{' again' if refetch else ': asking a peer agent for its copy'}",
+                          file=sys.stderr, flush=True)
+                    continue
                 (length,) = struct.unpack("<Q", start[8:16])
                 header = json.loads(snapshot.read(16, length))
                 header["data_start"] = _aligned(16 + length)
-                header["origin"] = origins[r]
+                header["origin"] = "fetched" if refetch else origins[r]
                 header["generation"] = generations[r]  # the rendezvous round that wrote it
                 sharded = any(entry[5] is not None for entry in header["tensors"])
                 if not sharded or (r == rank and header["world_size"] == world):
                     result, snapshot = (snapshot, header), None
                     return result
                 problems.append(f"the snapshot of rank {r} holds sharded tensors of another rank or world")
-        finally:
-            if snapshot is not None:
-                snapshot.close()
+                break
+            finally:
+                if snapshot is not None:
+                    snapshot.close()
     return None
 
 

@@ -87,11 +87,15 @@ class MemoryTier:
                 segment.buffer[:] = view
             segment.commit(checksum, world)
 
-    def open(self, rank: int, step: Optional[int] = None) -> Optional["Snapshot"]:
+    def open(self, rank: int, step: Optional[int] = None, refetch: bool = False) -> Optional["Snapshot"]:
         """The newest (or the given) committed snapshot of `rank`, opened read-only: ``read()``
         (pread: no mapping) or ``buffer`` (mapped on first use); None when the agent holds none.
-        Close it (or use ``with``) when done."""
+        `refetch` (with `step`): the copy this agent holds failed its checksum -- it replaces it with
+        a peer agent's copy of the same round first (None when no peer has one). Close it (or use
+        ``with``) when done."""
         fields = {"rank": rank} if step is None else {"rank": rank, "step": step}
+        if refetch:
+            fields["refetch"] = True
         reply, fd = node.request(_contract.NODE_OP_MEM_GET, self.address, **fields)
         if not reply.get("ok"):
             if fd is not None:

@@ -11,6 +11,8 @@
 #   - the spare's agent logs what it fetched, and from whom; the restore logs one line per rank;
 #   - the final model equals a failure-free world-1 run (`elastrun-ckpt diff` exits 0);
 #   - no memory segment is left behind (memfds: nothing in /dev/shm to look for; the agents exit).
+# Then H (two agents, no spare): node 1's own copies of step 17 fail their checksum; after rank 2
+# fails, each rank there restores from the partner's copy (the next source), not the file tier.
 # Usage: test_memory_partner.sh path/to/elastrun path/to/elastrun-ckpt SOURCE_DIR
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
@@ -92,3 +94,41 @@ rc=0
 grep -q "^a: .* (step 40, world size 1)$" "$out/diff.log" || fail "diff A P did not compare step 40"
 echo "ok: node 1 lost -> the spare fetched ranks 2-3 from its partner's copies; resumed from memory;" \
   "$(sed -n 's/^\(max |Δ| = [^ ]*\) over .*/\1/p' "$out/diff.log") vs the failure-free run"
+
+# H: a copy that fails its checksum -- the next source is the partner's copy. Two agents; node 1's
+# agent flips a byte of each of its own snapshots of step 17 once they are sent to its partner
+# (ELASTRUN_TEST_FLIP_MEMORY_STEP, tests only); rank 2 fails after step 17: the restart finds node
+# 1's copies bad and restores step 17 from node 0's copies, not from the file tier (step 10)
+port=$(free_port)
+for n in 0 1; do
+  flip=()
+  ((n == 0)) || flip=(ELASTRUN_TEST_FLIP_MEMORY_STEP=17)
+  env "${flip[@]}" "$elastrun" --nnodes=2 --nproc-per-node=2 \
+    --rdzv-endpoint=127.0.0.1:$port --rdzv-id=hash --rdzv-conf=is_host=$((1 - n)) --node-rank=$n --max-restarts=1 \
+    --memory-checkpoints=16M --events "$out/h$n.events" "$train" "${steps[@]}" --memory-every 1 --ckpt-dir "$out/h" \
+    --fail-at-step 17:2 >"$out/h$n.log" 2>&1 &
+  printf -v "pid_h$n" '%s' "$!"
+  track_pid "$!"
+done
+rc=0
+await "$pid_h0" || rc=$?
+await "$pid_h1" || rc=$((rc + $?))
+((rc == 0)) || fail "H: the agents exited $rc"
+grep -q "flipped a byte of step 17 rank 2 here" "$out/h1.log" || fail "H: node 1 did not flip its copy of step 17"
+for r in 2 3; do
+  grep -q "\[rank $r\] elastrun.checkpoint: rank $r: the memory snapshot of step 17 rank $r fails its checksum: asking a peer agent" \
+    "$out/h1.log" || fail "H: rank $r did not find its copy bad"
+  grep -q "memory checkpoints: step 17 rank $r held here failed its checksum: fetched again from 127.0.0.1:" "$out/h1.log" ||
+    fail "H: node 1's agent did not fetch rank $r's copy again"
+done
+/usr/bin/python3 - "$out/h0.events" <<'PY' || fail "H's events"
+import sys
+import elastrun.events
+resumed = [e for e in elastrun.events.read([sys.argv[1]]) if e["event"] == "resumed"]
+assert [(e["step"], e["source"]) for e in resumed] == [(17, "memory-partner")], resumed
+PY
+rc=0
+"$tool" diff "$out/a" "$out/h" >"$out/diff-h.log" 2>&1 || rc=$?
+((rc == 0)) || fail "diff A H exited $rc: $(cat "$out/diff-h.log")"
+echo "ok: copies that failed their checksum were replaced by the partner's: resumed from step 17 in memory;" \
+  "$(sed -n 's/^\(max |Δ| = [^ ]*\) over .*/\1/p' "$out/diff-h.log") vs the failure-free run"

@@ -195,7 +195,7 @@ print(len(fds), msg.decode().strip())' "$address" "$op") || fail "the intruder's
   peer=$(sed -n 's/.*partner copies served on \([0-9.:]*\).*/\1/p' "$work/pair0.err" | head -1)
   [[ -n $peer ]] || fail "agent 0 serves no partner copies: $(cat "$work/pair0.err")"
   status=@$(sed -n 's/.*node endpoint @\([^ ]*\).*/\1/p' "$work/pair1.err" | head -1)
-  wait_for 20 eval '"$elastrun" node-status "$status" | grep -q "\"received\":[1-9]"' ||
+  wait_for 60 eval '"$elastrun" node-status "$status" | grep -q "\"received\":[1-9]"' ||
     fail "agent 1 received no partner copy: $("$elastrun" node-status "$status")"
   for attempt in 'list token guess' 'get none -' 'put munge forged'; do
     read -r op kind credential <<<"$attempt"

@@ -180,9 +180,12 @@ inline constexpr std::string_view kMemAlloc =
     "mem_alloc";  // a new memory checkpoint segment of `bytes` for (step, rank); the reply carries its descriptor (a
                   // memfd the agent owns), writable until mem_commit
 inline constexpr std::string_view kMemCommit =
-    "mem_commit";  // the segment is complete (the writer has unmapped it): the agent keeps it with its checksum
-inline constexpr std::string_view kMemGet = "mem_get";  // the newest (or the given) committed segment of `rank`: step,
-                                                        // bytes, checksum, and a read-only descriptor of it
+    "mem_commit";  // the segment is complete (the writer has unmapped it): the agent keeps it with its checksum, the
+                   // world size that wrote it and the round it was committed in, and copies it to its partner agent
+inline constexpr std::string_view kMemGet =
+    "mem_get";  // the newest (or the given) committed segment of `rank`: step, bytes, checksum, and a read-only
+                // descriptor of it; with refetch (the copy here failed its checksum) the agent first replaces it with a
+                // peer agent's copy of the same round
 inline constexpr std::string_view kMemList =
     "mem_list";  // the budget, the bytes in use and every segment (step, rank, bytes, committed)
 inline constexpr std::string_view kMemForget =

@@ -101,9 +101,13 @@ class MemoryTier {
 
   // The newest committed segment of `rank` (or the one of `step`), mapped read-only; nullopt when
   // the agent holds none.
-  std::optional<MemorySegment> newest(int rank, std::optional<std::uint64_t> step = std::nullopt) {
+  // `refetch` (with `step`): the copy the agent holds failed its checksum -- it replaces it with a
+  // peer agent's copy of the same round first (nullopt when no peer has one).
+  std::optional<MemorySegment> newest(int rank, std::optional<std::uint64_t> step = std::nullopt,
+                                      bool refetch = false) {
     nlohmann::json request = {{"op", contract::node_op::kMemGet}, {"rank", rank}};
     if (step) request["step"] = *step;
+    if (refetch) request["refetch"] = true;
     auto reply = node_request(address_, request);
     if (!reply.body.value("ok", false)) return std::nullopt;
     return map(reply, reply.body.value("step", std::uint64_t{0}), rank, reply.body.value("bytes", std::size_t{0}),
