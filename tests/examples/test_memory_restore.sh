@@ -5,6 +5,10 @@
 #   A  reference: one process, no agent (world 1), 30 steps, file checkpoints every 10
 #   M  2 workers, a memory snapshot every step, rank 1 fails at step 17 once: the restart resumes
 #      from step 17 in memory (the newest file step is 10); `elastrun-ckpt diff A M` exits 0
+#   H  two agents on this machine (partner copies), node 1's own snapshots of step 17 corrupted once
+#      sent to its partner (ELASTRUN_TEST_FLIP_MEMORY_STEP, tests only), rank 2 fails at step 17:
+#      the restart asks node 0 for its copies (the next source) and resumes from step 17, source
+#      memory-partner; `elastrun-ckpt diff A H` exits 0
 # Usage: test_memory_restore.sh path/to/elastrun path/to/train path/to/elastrun-ckpt
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../support/lib.sh"
@@ -51,3 +55,36 @@ rc=0
 grep -q "^a: .* (step 30, world size 1)$" "$out/diff.log" || fail "diff A M did not compare step 30"
 echo "ok: a crash at step 17 resumed from step 17 in the agents' memory (0 steps lost; file tier: 10);" \
   "$(sed -n 's/^\(max |Δ| = [^ ]*\) over .*/\1/p' "$out/diff.log") vs the failure-free world-1 run"
+
+# H: the next source after a bad checksum, with the C++ trainer
+port=$(free_port)
+for n in 0 1; do
+  flip=()
+  ((n == 0)) || flip=(ELASTRUN_TEST_FLIP_MEMORY_STEP=17)
+  env "${flip[@]}" timeout 120 "$elastrun" --nnodes=2 --nproc-per-node=2 --no-python --max-restarts=1 \
+    --rdzv-endpoint=127.0.0.1:$port --rdzv-id=hash-cpp --rdzv-conf=is_host=$((1 - n)) --node-rank=$n \
+    --memory-checkpoints=16M --events "$out/h$n.events" "$train" "${steps[@]}" --memory-every 1 --ckpt-dir "$out/h" \
+    --fail-at-step 17:2 >"$out/h$n.log" 2>&1 &
+  printf -v "pid_h$n" '%s' "$!"
+  track_pid "$!"
+done
+rc=0
+await "$pid_h0" || rc=$?
+await "$pid_h1" || rc=$((rc + $?))
+((rc == 0)) || fail "H: the agents exited $rc"
+grep -q "flipped a byte of step 17 rank [23] here" "$out/h1.log" || fail "H: node 1 did not flip its copies of step 17"
+grep -Eq "\[rank [23]\] warning: the memory snapshot of step 17 rank [23] fails its checksum: asking a peer agent" \
+  "$out/h1.log" || fail "H: no rank on node 1 found its copy bad"
+grep -q "memory checkpoints: step 17 rank [23] held here failed its checksum: fetched again from 127.0.0.1:" \
+  "$out/h1.log" || fail "H: node 1's agent did not fetch a copy again"
+/usr/bin/python3 - "$out/h0.events" <<'PY' || fail "H's events"
+import sys
+import elastrun.events
+resumed = [e for e in elastrun.events.read([sys.argv[1]]) if e["event"] == "resumed"]
+assert [(e["step"], e["source"]) for e in resumed] == [(17, "memory-partner")], resumed
+PY
+rc=0
+"$tool" diff "$out/a" "$out/h" >"$out/diff-h.log" 2>&1 || rc=$?
+((rc == 0)) || fail "diff A H exited $rc: $(cat "$out/diff-h.log")"
+echo "ok: node 1's bad copies replaced by node 0's: resumed from step 17 in memory (memory-partner);" \
+  "$(sed -n 's/^\(max |Δ| = [^ ]*\) over .*/\1/p' "$out/diff-h.log") vs the failure-free world-1 run"
