@@ -32,6 +32,7 @@
 #                private_testbed_up [OPTIONS] N [SUFFIX], remember_shared_testbed, check_shared_testbed,
 #                require_shared_fs [--machine]
 #   environment  unset_env ERE [KEEP...], free_port, free_port_pair, json FILE EXPR
+#   checkpoints  same_model TOOL REF RUN LOG STEP (sets MAX_DELTA)
 
 [[ -n ${_ELASTRUN_TEST_LIB:-} ]] && return 0
 _ELASTRUN_TEST_LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -456,4 +457,17 @@ for _ in range(100):
 # json FILE EXPR: prints the Python expression EXPR evaluated on the JSON object `d` read from FILE.
 json() {
   /usr/bin/python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2"
+}
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+
+# same_model TOOL REF RUN LOG STEP: `TOOL diff REF RUN` (elastrun-ckpt) into LOG must exit 0 and
+# compare REF's step STEP; sets MAX_DELTA to the "max |Δ| = X" it reports (for the test's ok line).
+# Call it directly, not in $(...): its fail must end the test, not a subshell.
+same_model() {
+  local tool=$1 ref=$2 run=$3 log=$4 step=$5 rc=0
+  "$tool" diff "$ref" "$run" >"$log" 2>&1 || rc=$?
+  ((rc == 0)) || fail "diff $ref $run exited $rc: $(cat "$log")"
+  grep -q "^a: .* (step $step, world size " "$log" || fail "diff $ref $run did not compare step $step: $(cat "$log")"
+  MAX_DELTA=$(sed -n 's/^\(max |Δ| = [^ ]*\) over .*/\1/p' "$log")
 }
